@@ -1,0 +1,1 @@
+"""Offline analysis of run files: never imports Lightning."""

@@ -1,0 +1,1 @@
+"""Lightning glue: the recorder callback and its probes."""

@@ -1,0 +1,97 @@
+"""The contract between the recorder and its probes.
+
+A probe has one job: turn the module's state into rows. It never touches the file: it declares
+its series up front (HDF5 before 2.0 cannot create datasets once SWMR writing has begun) and
+hands rows to the recorder, which owns the file, the schedule and the flushing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+#: Rows a probe returns at a step: ``{group: {series: value}}``. Each group has its own step
+#: index in the run file, so a probe may fill some of its groups at a step and not others.
+Rows = dict[str, dict[str, torch.Tensor | np.ndarray | float]]
+
+
+@dataclass(frozen=True)
+class SeriesSpec:
+    """Shape (per row) and dtype of one series; ``columns`` names the last axis."""
+
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    columns: tuple[str, ...] | None = None
+
+
+class Probe:
+    """Base class: override what the measurement needs; every hook is optional.
+
+    Args:
+        every_n_steps: record at optimizer steps that are multiples of this.
+    """
+
+    #: Name of the probe's group(s) in the run file; unique per recorder.
+    name: str = "probe"
+
+    def __init__(self, every_n_steps: int = 1) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Called once at fit start, before :meth:`series` (register hooks, read θ0 here)."""
+
+    def series(self) -> dict[str, dict[str, SeriesSpec]]:
+        """The groups and series this probe will fill: ``{group: {series: spec}}``."""
+        return {}
+
+    def vectors(self) -> dict[str, SeriesSpec]:
+        """Vectors written once (at start or end), declared so their datasets exist up front."""
+        return {}
+
+    def initial_vectors(self) -> dict[str, np.ndarray]:
+        """Values of declared vectors known at fit start (e.g. θ0); called after setup."""
+        return {}
+
+    def is_due(self, step: int) -> bool:
+        return step % self.every_n_steps == 0
+
+    def on_step_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
+    ) -> None:
+        """Before the forward of a due step: arm hooks, copy what must be compared later."""
+
+    def on_step_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        outputs: Any,
+        step: int,
+    ) -> Rows:
+        """After the optimizer step of a due step: the rows recorded at ``step``.
+
+        ``step`` is the number of optimizer steps taken before this batch, so rows describe the
+        parameters θ_step the batch's forward used.
+        """
+        return {}
+
+    def final_vectors(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> dict[str, np.ndarray]:
+        """Values of declared vectors known at fit end (e.g. θ_T)."""
+        return {}
+
+    def teardown(self) -> None:
+        """Remove hooks and free buffers; called however the fit ends."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, before ``setup`` on a resumed fit."""
