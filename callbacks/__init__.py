@@ -1,1 +1,18 @@
 """Lightning glue: the recorder callback and its probes."""
+
+from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
+from dynamics.callbacks.logged_metrics import LoggedMetrics
+from dynamics.callbacks.parameter_displacement import ParameterDisplacement
+from dynamics.callbacks.probe import Probe, SeriesSpec
+from dynamics.callbacks.recorder import DynamicsRecorder
+from dynamics.callbacks.training_loss import TrainingLoss
+
+__all__ = [
+    "DynamicsRecorder",
+    "HiddenStateNorms",
+    "LoggedMetrics",
+    "ParameterDisplacement",
+    "Probe",
+    "SeriesSpec",
+    "TrainingLoss",
+]

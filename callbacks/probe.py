@@ -7,25 +7,17 @@ hands rows to the recorder, which owns the file, the schedule and the flushing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from dynamics.store import SeriesSpec
+
 #: Rows a probe returns at a step: ``{group: {series: value}}``. Each group has its own step
 #: index in the run file, so a probe may fill some of its groups at a step and not others.
 Rows = dict[str, dict[str, torch.Tensor | np.ndarray | float]]
-
-
-@dataclass(frozen=True)
-class SeriesSpec:
-    """Shape (per row) and dtype of one series; ``columns`` names the last axis."""
-
-    shape: tuple[int, ...] = ()
-    dtype: str = "float32"
-    columns: tuple[str, ...] | None = None
 
 
 class Probe:
@@ -79,6 +71,10 @@ class Probe:
         ``step`` is the number of optimizer steps taken before this batch, so rows describe the
         parameters θ_step the batch's forward used.
         """
+        return {}
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Rows:
+        """After a validation run (not the sanity check): rows recorded at the current step."""
         return {}
 
     def final_vectors(

@@ -1,0 +1,40 @@
+# Two commands for a fresh machine: `make demo` (the controlled experiment, ending in a report)
+# and `make test`. Both create the virtual environment on first use.
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch goes in first: a plain `torch` requirement with no torch installed
+# pulls a multi-GB CUDA build. Override TORCH to use another build.
+TORCH ?= torch==2.13.0
+# Small models run fastest on one thread; several threads per process thrash a shared machine.
+export OMP_NUM_THREADS ?= 1
+DEMO_OUT ?= runs/demo
+
+.PHONY: demo test lint format bench clean
+
+$(BIN)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/dynamics run configs/teacher_student.yaml --out $(DEMO_OUT) --overwrite
+	@echo "Run files: $(DEMO_OUT)/unshifted.h5 $(DEMO_OUT)/shifted.h5 (inspect with: $(BIN)/dynamics info $(DEMO_OUT)/shifted.h5)"
+
+test: $(BIN)/.installed
+	$(BIN)/pytest
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(BIN)/.installed
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(BIN)/.installed
+	for script in benchmarks/*.py; do $(BIN)/python $$script || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,272 @@
+"""Top Hessian eigenvalues (and optionally trace, gradient share, density) during training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.utilities.apply_func import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.func import functional_call
+
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.curvature import HessianOperator, hutch_plus_plus, lanczos, spectral_density
+from dynamics.isolation import side_effect_free
+from dynamics.loss_rule import module_loss
+
+_SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
+
+
+class HessianSpectrum(Probe):
+    """The top-k Hessian eigenvalues of the training loss on a fixed probe batch.
+
+    At every due step the loss of the module on the probe batch — by the loss rule of
+    :func:`~dynamics.loss_rule.module_loss`, so any LightningModule works unchanged — is
+    differentiated twice and its top-k eigenvalues found by thick-restart Lanczos
+    (:func:`~dynamics.curvature.lanczos`), started from the previous recorded step's
+    eigenvectors. All of it runs inside :func:`~dynamics.isolation.side_effect_free` with
+    autocast off and the parameters in float32 (float64 if the model is float64), whatever the
+    training precision; the vector ``hessian_float_bits`` in the run file states which.
+
+    Under DDP every rank differentiates the loss on its own probe batch and every product is
+    averaged across ranks: the eigenvalues are those of the data-parallel Hessian, identical on
+    all ranks (only rank zero writes). A NaN or infinite loss or product records a row of NaN
+    (with a warning) and training goes on.
+
+    Series (group ``hessian``), one row per due step:
+
+    - ``eigenvalues``, ``residuals`` (k): largest first, and ``‖H v − λ v‖`` of each;
+    - ``converged``: 1 when every residual met ``tol`` within ``max_hvp`` products;
+    - ``n_hvp``: Hessian-vector products the row cost (eigenvalues, trace and density);
+    - ``loss``: the probe-batch loss;
+    - ``trace``, ``trace_stderr`` (with ``trace_hvp``): Hutch++ estimate and its error;
+    - ``gradient_share`` (with ``gradient_share=True``): ``‖P_k g‖² / ‖g‖²`` for the probe-batch
+      gradient ``g`` and the projector ``P_k`` on the top-k eigenvectors;
+    - ``density_nodes``, ``density_weights`` (runs, steps) (with ``density_runs``): the
+      stochastic Lanczos quadrature; :func:`dynamics.hessian.broadened_density` turns it into
+      a density on any grid.
+
+    Args:
+        k: how many eigenvalues.
+        every_n_steps: recording period in optimizer steps.
+        tol: relative residual tolerance of each eigenpair.
+        max_hvp: product budget of the eigensolver per row.
+        trace_hvp: products spent on the Hutch++ trace per row (0: no trace).
+        gradient_share: record the share of the gradient in the top-k eigenspace.
+        density_runs: stochastic Lanczos quadrature runs per row (0: no density).
+        density_steps: Lanczos steps per quadrature run.
+        batch: the probe batch; default: a copy of the first training batch recorded.
+        warm_start: start each row's Lanczos from the previous row's eigenvectors.
+        seed: seed of the random start vectors (the global RNG is never used).
+    """
+
+    name = "hessian"
+
+    def __init__(
+        self,
+        k: int = 5,
+        every_n_steps: int = 50,
+        tol: float = 1e-4,
+        *,
+        max_hvp: int = 500,
+        trace_hvp: int = 0,
+        gradient_share: bool = False,
+        density_runs: int = 0,
+        density_steps: int = 40,
+        batch: Any = None,
+        warm_start: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(every_n_steps)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if trace_hvp and trace_hvp < 4:
+            raise ValueError(f"trace_hvp must be 0 or at least 4, got {trace_hvp}")
+        if density_runs < 0 or density_steps < 1:
+            raise ValueError("density_runs must be >= 0 and density_steps >= 1")
+        self.k = k
+        self.tol = tol
+        self.max_hvp = max_hvp
+        self.trace_hvp = trace_hvp
+        self.gradient_share = gradient_share
+        self.density_runs = density_runs
+        self.density_steps = density_steps
+        self.warm_start = warm_start
+        self.seed = seed
+        self._batch = None if batch is None else _detached_copy(batch)
+        self._ritz: torch.Tensor | None = None
+        self._row: dict[str, Any] | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(trainer.strategy, _SHARDED):
+            raise ValueError(
+                f"HessianSpectrum needs every rank to hold all parameters, but "
+                f"{type(trainer.strategy).__name__} shards them; use DDP or a single device"
+            )
+        self._names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
+        if not self._names:
+            raise ValueError("HessianSpectrum found no trainable parameter")
+        dtypes = {p.dtype for p in pl_module.parameters() if p.requires_grad}
+        self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
+        self._loss = _LossOf(pl_module)
+        self._ritz = None
+
+    def series(self) -> dict[str, dict[str, SeriesSpec]]:
+        columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
+        specs = {
+            "eigenvalues": SeriesSpec((self.k,), columns=columns),
+            "residuals": SeriesSpec((self.k,), columns=columns),
+            "converged": SeriesSpec(dtype="int8"),
+            "n_hvp": SeriesSpec(dtype="int32"),
+            "loss": SeriesSpec(),
+        }
+        if self.trace_hvp:
+            specs |= {"trace": SeriesSpec(), "trace_stderr": SeriesSpec()}
+        if self.gradient_share:
+            specs["gradient_share"] = SeriesSpec()
+        if self.density_runs:
+            shape = (self.density_runs, self.density_steps)
+            specs |= {"density_nodes": SeriesSpec(shape), "density_weights": SeriesSpec(shape)}
+        return {self.name: specs}
+
+    def vectors(self) -> dict[str, SeriesSpec]:
+        return {f"{self.name}_float_bits": SeriesSpec((1,), dtype="int8")}
+
+    def initial_vectors(self) -> dict[str, np.ndarray]:
+        return {f"{self.name}_float_bits": np.array([torch.finfo(self.dtype).bits], np.int8)}
+
+    def on_step_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
+    ) -> None:
+        # Measured here, before the step's forward, so the row describes θ_step (the contract).
+        if self._batch is None:
+            self._batch = _detached_copy(batch)
+        self._row = self.measure(pl_module, step)
+
+    def on_step_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        outputs: Any,
+        step: int,
+    ) -> Rows:
+        row, self._row = self._row, None
+        return {} if row is None else {self.name: row}
+
+    def measure(self, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
+        """One row for the module's current parameters (a NaN row if the loss is not finite)."""
+        batch = move_data_to_device(self._batch, pl_module.device)
+        params = dict(pl_module.named_parameters())
+        leaves = {n: params[n].detach().to(self.dtype).requires_grad_() for n in self._names}
+        tensors = dict(leaves)
+        if any(p.dtype != self.dtype for p in leaves.values()):
+            # Lower-precision weights (bf16/fp16 "true" precision) are upcast for the pass; the
+            # buffers and the batch follow so that every op runs in float32.
+            tensors |= {n: _upcast(b, self.dtype) for n, b in pl_module.named_buffers()}
+            batch = apply_to_collection(batch, torch.Tensor, _upcast, self.dtype)
+        averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        row = self._nan_row()
+        with side_effect_free(pl_module), torch.autocast(pl_module.device.type, enabled=False):
+            try:
+                operator = HessianOperator(
+                    lambda: functional_call(self._loss, _prefixed(tensors), (batch,)),
+                    list(leaves.values()),
+                    average_across_ranks=averaged,
+                )
+            except FloatingPointError as error:
+                return self._warned(row, step, error)
+            row["loss"] = operator.loss
+            try:
+                self._fill(row, operator)
+            except FloatingPointError as error:
+                row["n_hvp"] = operator.n_hvp
+                return self._warned(row, step, error)
+        row["n_hvp"] = operator.n_hvp
+        return row
+
+    def _fill(self, row: dict[str, Any], operator: HessianOperator) -> None:
+        warm = self._ritz if self.warm_start else None
+        pairs = lanczos(
+            operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
+        )
+        self._ritz = pairs.eigenvectors
+        row["eigenvalues"] = pairs.eigenvalues.float().numpy()
+        row["residuals"] = pairs.residuals.float().numpy()
+        row["converged"] = np.int8(pairs.converged)
+        if self.gradient_share:
+            gradient = operator.gradient
+            inside = torch.linalg.vector_norm(pairs.eigenvectors @ gradient) ** 2
+            row["gradient_share"] = (inside / torch.linalg.vector_norm(gradient) ** 2).item()
+        if self.trace_hvp:
+            trace = hutch_plus_plus(operator, self.trace_hvp, seed=self.seed)
+            row["trace"], row["trace_stderr"] = trace.trace, trace.stderr
+        if self.density_runs:
+            density = spectral_density(
+                operator, self.density_runs, self.density_steps, seed=self.seed
+            )
+            row["density_nodes"] = density.nodes.astype(np.float32)
+            row["density_weights"] = density.weights.astype(np.float32)
+
+    def _nan_row(self) -> dict[str, Any]:
+        nan = np.float32("nan")
+        row: dict[str, Any] = {
+            "eigenvalues": np.full(self.k, nan),
+            "residuals": np.full(self.k, nan),
+            "converged": np.int8(0),
+            "n_hvp": 0,
+            "loss": nan,
+        }
+        if self.trace_hvp:
+            row |= {"trace": nan, "trace_stderr": nan}
+        if self.gradient_share:
+            row["gradient_share"] = nan
+        if self.density_runs:
+            shape = (self.density_runs, self.density_steps)
+            row |= {"density_nodes": np.full(shape, nan), "density_weights": np.full(shape, nan)}
+        return row
+
+    def _warned(self, row: dict[str, Any], step: int, error: FloatingPointError) -> dict[str, Any]:
+        rank_zero_warn(f"HessianSpectrum at step {step}: {error}; recorded NaN")
+        return row
+
+    def teardown(self) -> None:
+        self._ritz = None
+        self._row = None
+
+    def state_dict(self) -> dict[str, Any]:
+        # The probe batch, so a resumed run keeps measuring the same loss.
+        return {} if self._batch is None else {"batch": move_data_to_device(self._batch, "cpu")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "batch" in state:
+            self._batch = state["batch"]
+
+
+class _LossOf(nn.Module):
+    """The module's loss as a forward, so ``functional_call`` can substitute its tensors."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return module_loss(self.module, batch)
+
+
+def _prefixed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"module.{n}": t for n, t in tensors.items()}
+
+
+def _detached_copy(batch: Any) -> Any:
+    return apply_to_collection(batch, torch.Tensor, lambda t: t.detach().clone())
+
+
+def _upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor

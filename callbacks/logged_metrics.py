@@ -1,0 +1,39 @@
+"""Scalars the module logs during validation (a held-out loss, an accuracy), per validation run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+
+
+class LoggedMetrics(Probe):
+    """Copies ``trainer.callback_metrics[key]`` for each key after every validation run.
+
+    Rows are recorded at the optimizer step the validation ran after; a key not logged in a run
+    reads NaN. The sanity check is never recorded.
+
+    Args:
+        keys: names the module passes to ``self.log`` in its validation step.
+    """
+
+    name = "validation"
+
+    def __init__(self, keys: Sequence[str] = ("val_loss",)) -> None:
+        super().__init__()
+        if not keys:
+            raise ValueError("LoggedMetrics needs at least one key")
+        self.keys = tuple(keys)
+
+    def series(self) -> dict[str, dict[str, SeriesSpec]]:
+        return {"validation": {key: SeriesSpec() for key in self.keys}}
+
+    def is_due(self, step: int) -> bool:
+        return False  # validation runs have their own schedule
+
+    def on_validation_end(self, trainer, pl_module) -> Rows:
+        metrics = trainer.callback_metrics
+        nan = torch.tensor(float("nan"))
+        return {"validation": {k: metrics.get(k, nan).detach().float().cpu() for k in self.keys}}

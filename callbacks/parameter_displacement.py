@@ -1,0 +1,131 @@
+"""Parameter displacement from θ0, update sizes, and snapshots for offline re-projection."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.params import ParameterLayout, parameter_vector
+
+
+class ParameterDisplacement(Probe):
+    """‖θt − θ0‖ in total and per parameter tensor, the update ‖θt+1 − θt‖, and snapshots.
+
+    Snapshots of θt are kept within ``snapshot_budget_mb``, thinned evenly over the run: the
+    snapshot period is the run's estimated optimizer steps over the number of snapshots that fit,
+    so the whole trajectory is covered and later analysis can project it onto any plane. θ0 and
+    the final θT are stored as vectors as well.
+
+    Args:
+        every_n_steps: period of the norm series.
+        snapshot_budget_mb: bytes (MiB) for snapshots; 0 stores none.
+        snapshot_every_n_steps: fixed snapshot period instead of the budget's (required when the
+            Trainer cannot estimate its number of steps).
+    """
+
+    name = "displacement"
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        snapshot_budget_mb: float = 64.0,
+        snapshot_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__(every_n_steps)
+        self.snapshot_budget_mb = snapshot_budget_mb
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self._theta0: torch.Tensor | None = None
+        self._before: list[torch.Tensor] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.layout = ParameterLayout.of(pl_module)
+        self._params = self.layout.parameters(pl_module)
+        if self._theta0 is None:  # a resumed fit restored θ0 from the checkpoint
+            self._theta0 = parameter_vector(pl_module, self.layout)
+        self._theta0 = self._theta0.to(self._params[0].device)
+        self.snapshot_period = self._snapshot_period(trainer)
+
+    def series(self) -> dict[str, dict[str, SeriesSpec]]:
+        groups = {
+            "displacement": {
+                "total": SeriesSpec(),
+                "per_tensor": SeriesSpec((len(self.layout.names),), columns=self.layout.names),
+                "update": SeriesSpec(),
+            }
+        }
+        if self.snapshot_period:
+            groups["snapshots"] = {"theta": SeriesSpec((self.layout.size,))}
+        return groups
+
+    def vectors(self) -> dict[str, SeriesSpec]:
+        return {"theta0": SeriesSpec((self.layout.size,)), "theta_final": SeriesSpec((self.layout.size,))}
+
+    def initial_vectors(self) -> dict[str, np.ndarray]:
+        return {"theta0": self._theta0.cpu().numpy()}
+
+    def is_due(self, step: int) -> bool:
+        return super().is_due(step) or self._snapshot_due(step)
+
+    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+        if trainer.is_global_zero:  # only rank 0 writes, and the ranks' parameters agree
+            self._before = [p.detach().clone() for p in self._params]
+
+    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+        if not self._before:
+            return {}
+        before, self._before = self._before, []
+        rows: Rows = {}
+        if self._snapshot_due(step):
+            rows["snapshots"] = {"theta": torch.cat([b.reshape(-1) for b in before])}
+        if super().is_due(step):
+            origins = self._theta0.split(self.layout.numels)
+            per_tensor = torch.stack(
+                [torch.linalg.vector_norm(b - o.view_as(b)) for b, o in zip(before, origins)]
+            )
+            updates = [torch.linalg.vector_norm(p.detach() - b) for p, b in zip(self._params, before)]
+            rows["displacement"] = {
+                "total": torch.linalg.vector_norm(per_tensor),
+                "per_tensor": per_tensor,
+                "update": torch.linalg.vector_norm(torch.stack(updates)),
+            }
+        return rows
+
+    def final_vectors(self, trainer, pl_module) -> dict[str, np.ndarray]:
+        return {"theta_final": torch.cat([p.detach().reshape(-1) for p in self._params]).cpu().numpy()}
+
+    def teardown(self) -> None:
+        self._before = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"theta0": self._theta0.cpu() if self._theta0 is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._theta0 = state.get("theta0")
+
+    def _snapshot_due(self, step: int) -> bool:
+        return bool(self.snapshot_period) and step % self.snapshot_period == 0
+
+    def _snapshot_period(self, trainer: pl.Trainer) -> int:
+        if self.snapshot_every_n_steps is not None:
+            return self.snapshot_every_n_steps
+        if self.snapshot_budget_mb <= 0:
+            return 0
+        capacity = int(self.snapshot_budget_mb * 2**20 // (4 * self.layout.size))
+        if capacity < 2:
+            raise ValueError(
+                f"snapshot_budget_mb={self.snapshot_budget_mb} holds fewer than 2 snapshots of "
+                f"{self.layout.size} parameters"
+            )
+        steps = trainer.estimated_stepping_batches
+        if not math.isfinite(steps):
+            raise ValueError(
+                "ParameterDisplacement cannot spread snapshots over a run of unknown length; "
+                "set snapshot_every_n_steps"
+            )
+        # capacity - 1 intervals between capacity snapshots, the first at step 0.
+        return max(1, math.ceil(steps / (capacity - 1)))

@@ -1,0 +1,88 @@
+"""Activations with an optional shift that removes their bias (the post-activation mean).
+
+The paper's intervention (seed 002, Eq. 9): subtract a fixed c = E[φ(z)], z ~ N(0, 1), or, in
+the adaptive form, each forward's mean across the neuron dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from numpy.polynomial.laguerre import laggauss
+from torch import nn
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+SHIFTS = ("none", "expected", "adaptive")
+#: Nodes of the folded rule; 100 reaches ~1e-13 for every activation above, and numpy's
+#: Laguerre weights overflow past ~180.
+_QUADRATURE_NODES = 100
+
+
+@cache
+def expected_activation(name: str) -> float:
+    """E[φ(z)] for z ~ N(0, 1), by Gauss quadrature of the Gaussian folded at 0.
+
+    Plain Gauss–Hermite converges only like 1/n at ReLU's kink (8e-4 off with 200 nodes), so
+    the Gaussian integral is folded onto the half-line, where the integrand φ(z) + φ(−z) is
+    smooth for every activation whose only kink sits at 0, and integrated with Gauss–Laguerre:
+    E[φ(z)] = (2π)^(-1/2) ∫₀^∞ [φ(z) + φ(−z)] e^(z − z²/2) e^(−z) dz.
+    """
+    phi = _activation(name)
+    nodes, weights = laggauss(_QUADRATURE_NODES)
+    z = torch.from_numpy(nodes)
+    folded = (phi(z) + phi(-z)).numpy() * np.exp(nodes - nodes**2 / 2)
+    return float(weights @ folded / np.sqrt(2 * np.pi))
+
+
+class ShiftedActivation(nn.Module):
+    """φ(x) − shift, applied elementwise.
+
+    Args:
+        name: one of ``relu``, ``gelu``, ``silu`` (``swish``), ``sigmoid``, ``tanh``.
+        shift: ``"none"``; ``"expected"`` for the fixed c = E[φ(z)], z ~ N(0, 1);
+            ``"adaptive"`` to subtract, at every forward, each sample's mean across the neuron
+            (last) dimension, so it is exactly zero by construction; or a number to subtract.
+    """
+
+    def __init__(self, name: str = "relu", shift: str | float = "none") -> None:
+        super().__init__()
+        self.phi = _activation(name)
+        self.name = name
+        if isinstance(shift, str) and shift not in SHIFTS:
+            raise ValueError(f"shift must be one of {SHIFTS} or a number, got {shift!r}")
+        self.shift = shift
+        self.constant = (
+            expected_activation(name)
+            if shift == "expected"
+            else float(shift)
+            if not isinstance(shift, str)
+            else 0.0
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.phi(x)
+        if self.shift == "adaptive":
+            return y - y.mean(dim=-1, keepdim=True)
+        return y - self.constant if self.constant else y
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, shift={self.shift!r}" + (
+            f" (c={self.constant:.6f})" if self.shift == "expected" else ""
+        )
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; choose from {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]

@@ -1,0 +1,24 @@
+"""Curvature of a scalar loss: one operator (Hessian-vector products), algorithms on it."""
+
+from dynamics.curvature.density import SpectralDensity, broadened_density, spectral_density
+from dynamics.curvature.eigenpairs import Eigenpairs
+from dynamics.curvature.lanczos import lanczos
+from dynamics.curvature.operator import HessianOperator, LinearOperator
+from dynamics.curvature.power import power_iteration
+from dynamics.curvature.pyhessian_backend import pyhessian_eigenpairs
+from dynamics.curvature.trace import TraceEstimate, hutch_plus_plus, hutchinson
+
+__all__ = [
+    "Eigenpairs",
+    "HessianOperator",
+    "LinearOperator",
+    "SpectralDensity",
+    "TraceEstimate",
+    "broadened_density",
+    "hutch_plus_plus",
+    "hutchinson",
+    "lanczos",
+    "power_iteration",
+    "pyhessian_eigenpairs",
+    "spectral_density",
+]

@@ -1,0 +1,28 @@
+"""What every top-k eigensolver returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Eigenpairs:
+    """Top-k eigenpairs of a symmetric operator, largest first.
+
+    Attributes:
+        eigenvalues: shape ``(k,)``, float64 on the CPU.
+        eigenvectors: shape ``(k, n)``, orthonormal rows, the operator's dtype and device.
+        residuals: ``‖H v − λ v‖`` per pair, shape ``(k,)``; ``None`` when the backend does not
+            report them (PyHessian).
+        n_hvp: Hessian-vector products used.
+        converged: whether the stopping rule was met for every pair within the product budget;
+            ``None`` when the backend cannot tell (PyHessian).
+    """
+
+    eigenvalues: torch.Tensor
+    eigenvectors: torch.Tensor
+    residuals: torch.Tensor | None
+    n_hvp: int
+    converged: bool | None

@@ -1,0 +1,7 @@
+"""The run-file store: one HDF5 file per run (schema, writer, reader)."""
+
+from dynamics.store.reader import Run, Series, open_run
+from dynamics.store.schema import SCHEMA, SCHEMA_VERSION, RunFileError, SeriesSpec
+from dynamics.store.writer import RunWriter
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "Run", "RunFileError", "RunWriter", "Series", "SeriesSpec", "open_run"]

@@ -1,0 +1,172 @@
+"""Reading run files: validated on open, series read on demand, live runs included.
+
+A run still being written, or whose writer was killed, is read in SWMR mode (HDF5 refuses a
+plain open of such a file); a finished one is opened plainly, which also detects truncation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from dynamics.params import ParameterLayout
+from dynamics.store.schema import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    SERIES,
+    STEP,
+    UNWRITTEN_STEP,
+    VECTORS,
+    RunFileError,
+    decode_attr,
+)
+
+
+@dataclass(frozen=True)
+class Series:
+    """One group of rows sharing a step index.
+
+    Attributes:
+        step: optimizer steps, strictly increasing, shape (n,).
+        values: ``{name: array of shape (n, *row_shape)}``.
+        columns: ``{name: names of the last axis}`` for series that name it.
+    """
+
+    step: np.ndarray
+    values: dict[str, np.ndarray]
+    columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.values[name]
+
+
+class Run:
+    """A run file's metadata, series and vectors; see :func:`open_run`."""
+
+    def __init__(self, path: Path, attrs: dict[str, Any], groups: tuple[str, ...], vectors: dict):
+        self.path = path
+        self.attrs = attrs
+        self.groups = groups
+        self.vector_names = tuple(vectors)
+        self._vector_shapes = vectors
+        self._series: dict[str, Series] = {}
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.attrs.get("config") or {}
+
+    @property
+    def name(self) -> str:
+        return self.attrs.get("run_name") or self.path.stem
+
+    @cached_property
+    def layout(self) -> ParameterLayout | None:
+        data = self.attrs.get("layout")
+        return ParameterLayout.from_dict(data) if data else None
+
+    def series(self, group: str) -> Series:
+        """Every row of ``group`` (read once, then cached)."""
+        if group not in self.groups:
+            raise KeyError(f"{self.path.name} has no series {group!r} (has {', '.join(self.groups)})")
+        if group not in self._series:
+            with _open(self.path) as file:
+                self._series[group] = _read_series(file[SERIES][group])
+        return self._series[group]
+
+    def vector(self, name: str) -> np.ndarray | None:
+        """A stored vector, or None when it is absent or was never filled (NaN)."""
+        if name not in self.vector_names:
+            return None
+        with _open(self.path) as file:
+            value = file[VECTORS][name][...]
+        return None if np.isnan(value).all() else value
+
+    def summary(self) -> dict[str, Any]:
+        """Series lengths, step ranges and metadata, as ``dynamics info`` prints them."""
+        series = {}
+        for group in self.groups:
+            rows = self.series(group)
+            series[group] = {
+                "rows": len(rows),
+                "first_step": int(rows.step[0]) if len(rows) else None,
+                "last_step": int(rows.step[-1]) if len(rows) else None,
+                "series": {n: list(v.shape[1:]) for n, v in rows.values.items()},
+            }
+        return {
+            "path": str(self.path),
+            "schema_version": self.attrs.get("schema_version"),
+            "run_name": self.name,
+            "series": series,
+            "vectors": {n: list(s) for n, s in self._vector_shapes.items()},
+            "attrs": {k: v for k, v in self.attrs.items() if k not in ("schema", "layout")},
+        }
+
+
+def open_run(path: str | os.PathLike) -> Run:
+    """Open and validate a run file.
+
+    Raises:
+        RunFileError: the path is missing, is not an HDF5 run file, is truncated or corrupted,
+            or carries a newer schema version than this dynamics reads.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RunFileError(f"{path}: no such file")
+    try:
+        with _open(path) as file:
+            attrs = {k: decode_attr(v) for k, v in file.attrs.items()}
+            if attrs.get("schema") != SCHEMA:
+                raise RunFileError(f"{path}: not a dynamics run file (no '{SCHEMA}' schema)")
+            version = attrs.get("schema_version")
+            if not isinstance(version, int) or version > SCHEMA_VERSION:
+                raise RunFileError(
+                    f"{path}: schema version {version} is newer than this dynamics reads "
+                    f"({SCHEMA_VERSION}); upgrade dynamics"
+                )
+            groups = tuple(file[SERIES]) if SERIES in file else ()
+            vectors = {n: d.shape for n, d in file[VECTORS].items()} if VECTORS in file else {}
+            for group in groups:  # touch every dataset so corruption shows here, not later
+                for dataset in file[SERIES][group].values():
+                    _ = dataset.shape, dataset.dtype
+    except RunFileError:
+        raise
+    except (OSError, KeyError, ValueError) as error:
+        raise RunFileError(f"{path}: not a readable run file (truncated or corrupted?)") from error
+    return Run(path, attrs, groups, vectors)
+
+
+def _open(path: Path) -> h5py.File:
+    try:
+        # A plain open checks the file against its recorded end, so truncation shows here.
+        return h5py.File(path, "r")
+    except OSError as error:
+        if "consistency flags" not in str(error):
+            raise
+    # A run still being written, or whose writer was killed: only SWMR reads open those.
+    return h5py.File(path, "r", swmr=True)
+
+
+def _read_series(group: h5py.Group) -> Series:
+    step = group[STEP][:]
+    values = {name: d[:] for name, d in group.items() if name != STEP}
+    # A killed writer can leave extents ahead of data: keep the rows whose step and values all
+    # arrived (a strictly increasing prefix of written steps).
+    n = min([len(step), *(len(v) for v in values.values())])
+    written = step[:n] != UNWRITTEN_STEP
+    increasing = np.concatenate([[True], np.diff(step[:n]) > 0])
+    n = int(np.argmin(written & increasing)) if not (written & increasing).all() else n
+    columns = {
+        name: tuple(decode_attr(group[name].attrs["columns"]))
+        for name in values
+        if "columns" in group[name].attrs
+    }
+    return Series(step[:n], {k: v[:n] for k, v in values.items()}, columns)

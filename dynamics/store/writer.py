@@ -1,0 +1,220 @@
+"""Writing run files: declared up front, appended in blocks, readable while they grow.
+
+The writer creates every dataset before SWMR writing starts (HDF5 before 2.0 refuses to create
+objects afterwards, and a live reader would not see them), buffers rows in memory and appends
+them in blocks, flushing at a bounded interval so a killed process loses at most that interval.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from dynamics.store.schema import (
+    LIBVER,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SERIES,
+    STEP,
+    UNWRITTEN_STEP,
+    VECTORS,
+    RunFileError,
+    encode_attr,
+)
+
+#: Target bytes per HDF5 chunk: large enough for few chunk-index entries, small enough that a
+#: block append of a snapshot series does not rewrite megabytes.
+_CHUNK_BYTES = 1 << 20
+
+
+class RunWriter:
+    """Appends rows to a run file whose series and vectors were declared when it was created.
+
+    Use :meth:`create` for a new run and :meth:`resume` to continue one from a checkpoint.
+
+    Args:
+        file: an open ``h5py.File`` already laid out (internal; use the constructors).
+        block_rows: buffered rows per group that trigger a write.
+        flush_interval_s: longest time buffered rows wait before they are written and flushed.
+    """
+
+    def __init__(self, file: h5py.File, block_rows: int = 256, flush_interval_s: float = 5.0):
+        self._file = file
+        self._file.swmr_mode = True
+        self.block_rows = block_rows
+        self.flush_interval_s = flush_interval_s
+        self._pending: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+        self._last_flush = time.monotonic()
+
+    @property
+    def path(self) -> Path:
+        return Path(self._file.filename)
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        series: Mapping[str, Mapping[str, Any]],
+        vectors: Mapping[str, Any],
+        attrs: Mapping[str, Any],
+        overwrite: bool = False,
+        **kwargs: Any,
+    ) -> RunWriter:
+        """Create a run file holding the declared series groups and vectors.
+
+        Args:
+            path: the run file to create.
+            series: ``{group: {name: SeriesSpec}}`` (see ``dynamics.callbacks.probe``).
+            vectors: ``{name: SeriesSpec}`` of vectors written once.
+            attrs: root attributes (config, versions, layout, ...); JSON-encoded when structured.
+            overwrite: replace an existing file; without it an existing file is refused.
+            **kwargs: ``block_rows`` and ``flush_interval_s``.
+
+        Raises:
+            RunFileError: if ``path`` exists and ``overwrite`` is false, or its folder is missing.
+        """
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise RunFileError(f"{path} exists; pass overwrite=True (or --overwrite) to replace it")
+        if not path.parent.is_dir():
+            raise RunFileError(f"folder {path.parent} does not exist")
+        file = h5py.File(path, "w", libver=LIBVER)
+        file.attrs["schema"] = SCHEMA
+        file.attrs["schema_version"] = SCHEMA_VERSION
+        for key, value in attrs.items():
+            file.attrs[key] = encode_attr(value)
+        for group, specs in series.items():
+            _create_group(file.require_group(SERIES).create_group(group), specs)
+        for name, spec in vectors.items():
+            file.require_group(VECTORS).create_dataset(
+                name, shape=spec.shape, dtype=spec.dtype, fillvalue=np.nan
+            )
+        return cls(file, **kwargs)
+
+    @classmethod
+    def resume(
+        cls, path: str | os.PathLike, through_steps: Mapping[str, int], **kwargs: Any
+    ) -> RunWriter:
+        """Continue a run file from a checkpoint.
+
+        Args:
+            path: the run file the checkpointed fit was writing.
+            through_steps: ``{group: last step written before the checkpoint}``; later rows
+                (and every row of a group not named) are dropped, so the resumed series equal
+                those of an uninterrupted run.
+            **kwargs: ``block_rows`` and ``flush_interval_s``.
+
+        The file is rewritten through a SWMR read, which also recovers a file whose writer was
+        killed (HDF5 refuses to reopen those for writing).
+        """
+        path = Path(path)
+        if not path.exists():
+            raise RunFileError(f"cannot resume: run file {path} is missing")
+        staging = path.with_name(path.name + ".resuming")
+        with h5py.File(path, "r", swmr=True) as old, h5py.File(staging, "w", libver=LIBVER) as new:
+            for key, value in old.attrs.items():
+                new.attrs[key] = value
+            for group_name, group in old.get(SERIES, {}).items():
+                keep = _rows_through(group, through_steps.get(group_name, UNWRITTEN_STEP))
+                target = new.require_group(SERIES).create_group(group_name)
+                for name, dataset in group.items():
+                    copy = target.create_dataset(
+                        name,
+                        data=dataset[:keep],
+                        maxshape=(None, *dataset.shape[1:]),
+                        chunks=dataset.chunks,
+                        fillvalue=dataset.fillvalue,
+                    )
+                    copy.attrs.update(dataset.attrs)
+            if VECTORS in old:
+                old.copy(old[VECTORS], new)
+        os.replace(staging, path)
+        return cls(h5py.File(path, "r+", libver=LIBVER), **kwargs)
+
+    def append(self, group: str, step: int, values: Mapping[str, Any]) -> None:
+        """Buffer one row of ``group`` (every series of the group, as tensors or arrays)."""
+        self._pending.setdefault(group, []).append((step, values))
+        if len(self._pending[group]) >= self.block_rows or self._interval_elapsed():
+            self.flush()
+
+    def write_vector(self, name: str, value: torch.Tensor | np.ndarray) -> None:
+        """Fill a declared vector (θ0, θ_T, ...) and flush it to disk at once."""
+        self._file[VECTORS][name][...] = _to_numpy(value)
+        self.flush()
+
+    def flush(self) -> None:
+        """Write every buffered row and make it durable for readers."""
+        for group, rows in self._pending.items():
+            if rows:
+                _append_rows(self._file[SERIES][group], rows)
+        self._pending = {}
+        self._file.flush()
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        if self._file.id.valid:
+            self.flush()
+            self._file.close()
+
+    def _interval_elapsed(self) -> bool:
+        return time.monotonic() - self._last_flush >= self.flush_interval_s
+
+
+def _create_group(group: h5py.Group, specs: Mapping[str, Any]) -> None:
+    group.create_dataset(
+        STEP, shape=(0,), maxshape=(None,), dtype="int64", chunks=(4096,), fillvalue=UNWRITTEN_STEP
+    )
+    for name, spec in specs.items():
+        row_bytes = np.dtype(spec.dtype).itemsize * max(1, int(np.prod(spec.shape)))
+        chunk_rows = max(1, min(1024, _CHUNK_BYTES // row_bytes))
+        dataset = group.create_dataset(
+            name,
+            shape=(0, *spec.shape),
+            maxshape=(None, *spec.shape),
+            dtype=spec.dtype,
+            chunks=(chunk_rows, *spec.shape),
+            fillvalue=np.nan,
+        )
+        if spec.columns is not None:
+            dataset.attrs["columns"] = encode_attr(list(spec.columns))
+
+
+def _append_rows(group: h5py.Group, rows: list[tuple[int, Mapping[str, Any]]]) -> None:
+    start = group[STEP].shape[0]
+    stop = start + len(rows)
+    # Values before steps: a reader that sees a step sees its values (SWMR keeps write order
+    # per dataset, and a step row that never arrived reads as UNWRITTEN_STEP).
+    for name, dataset in group.items():
+        if name == STEP:
+            continue
+        block = _stack([values[name] for _, values in rows])
+        dataset.resize(stop, axis=0)
+        dataset[start:stop] = block
+    group[STEP].resize((stop,))
+    group[STEP][start:stop] = [step for step, _ in rows]
+
+
+def _rows_through(group: h5py.Group, through_step: int) -> int:
+    steps = group[STEP][:]
+    valid = (steps != UNWRITTEN_STEP) & (steps <= through_step)
+    return int(np.argmin(valid)) if not valid.all() else len(steps)
+
+
+def _stack(values: list[Any]) -> np.ndarray:
+    # One device-to-host copy per block rather than per row.
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack([v.detach() for v in values]).cpu().numpy()
+    return np.stack([_to_numpy(v) for v in values])
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
