@@ -141,7 +141,9 @@ def _choose_modules(
     stacks = [
         (n, kids)
         for n, kids in stacks
-        if len(kids) >= 2 and len({type(k) for _, k in kids}) == 1 and not _is_activation(kids[0][1])
+        if len(kids) >= 2
+        and len({type(k) for _, k in kids}) == 1
+        and not _is_activation(kids[0][1])
     ]
     if stacks:
         prefix, kids = max(stacks, key=lambda s: len(s[1]))

@@ -63,7 +63,10 @@ class ParameterDisplacement(Probe):
         return groups
 
     def vectors(self) -> dict[str, SeriesSpec]:
-        return {"theta0": SeriesSpec((self.layout.size,)), "theta_final": SeriesSpec((self.layout.size,))}
+        return {
+            "theta0": SeriesSpec((self.layout.size,)),
+            "theta_final": SeriesSpec((self.layout.size,)),
+        }
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
         return {"theta0": self._theta0.cpu().numpy()}
@@ -87,7 +90,9 @@ class ParameterDisplacement(Probe):
             per_tensor = torch.stack(
                 [torch.linalg.vector_norm(b - o.view_as(b)) for b, o in zip(before, origins)]
             )
-            updates = [torch.linalg.vector_norm(p.detach() - b) for p, b in zip(self._params, before)]
+            updates = [
+                torch.linalg.vector_norm(p.detach() - b) for p, b in zip(self._params, before)
+            ]
             rows["displacement"] = {
                 "total": torch.linalg.vector_norm(per_tensor),
                 "per_tensor": per_tensor,
@@ -96,7 +101,9 @@ class ParameterDisplacement(Probe):
         return rows
 
     def final_vectors(self, trainer, pl_module) -> dict[str, np.ndarray]:
-        return {"theta_final": torch.cat([p.detach().reshape(-1) for p in self._params]).cpu().numpy()}
+        return {
+            "theta_final": torch.cat([p.detach().reshape(-1) for p in self._params]).cpu().numpy()
+        }
 
     def teardown(self) -> None:
         self._before = []

@@ -90,6 +90,7 @@ class DynamicsRecorder(Callback):
         if self._resume_from is not None:
             self._writer = RunWriter.resume(self.path, self._resume_from, **writer_options)
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # as ModelCheckpoint does for its dir
         series = {g: s for p in self.probes for g, s in p.series().items()}
         vectors = {n: s for p in self.probes for n, s in p.vectors().items()}
         self._writer = RunWriter.create(

@@ -62,13 +62,17 @@ def _run(args: argparse.Namespace) -> int:
     from dynamics.experiments.config import load_config
     from dynamics.experiments.runner import run_teacher_student
 
-    config = load_config(
-        args.config, steps=args.steps, seed=args.seed, **{"optimizer.lr": args.lr}
-    )
+    config = load_config(args.config, steps=args.steps, seed=args.seed, **{"optimizer.lr": args.lr})
     results = run_teacher_student(config, args.out, args.overwrite, not args.no_progress)
     rows = [("variant", "shift", "final train loss", "final held-out loss", "run file")]
     rows += [
-        (r.name, str(r.shift), f"{r.final_train_loss:.5g}", f"{r.final_heldout_loss:.5g}", str(r.path))
+        (
+            r.name,
+            str(r.shift),
+            f"{r.final_train_loss:.5g}",
+            f"{r.final_heldout_loss:.5g}",
+            str(r.path),
+        )
         for r in results
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

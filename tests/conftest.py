@@ -59,7 +59,7 @@ def small_cnn() -> type[SmallCNN]:
     return SmallCNN
 
 
-def quiet_trainer(**kwargs) -> pl.Trainer:
+def make_quiet_trainer(**kwargs) -> pl.Trainer:
     """A CPU Trainer with no logger, checkpointing, progress bar or summary unless asked."""
     options = dict(
         accelerator="cpu",
@@ -71,3 +71,8 @@ def quiet_trainer(**kwargs) -> pl.Trainer:
     )
     options.update(kwargs)
     return pl.Trainer(**options)
+
+
+@pytest.fixture
+def quiet_trainer():
+    return make_quiet_trainer

@@ -42,7 +42,10 @@ def test_round_trip(tmp_path):
     np.testing.assert_array_equal(run.vector("theta0"), np.arange(4.0))
     summary = run.summary()
     assert summary["series"]["loss"] == {
-        "rows": 10, "first_step": 0, "last_step": 9, "series": {"train": []}
+        "rows": 10,
+        "first_step": 0,
+        "last_step": 9,
+        "series": {"train": []},
     }
 
 
@@ -53,8 +56,12 @@ def test_file_is_readable_by_hdf5_1_10_tools(tmp_path):
     h5dump = shutil.which("h5dump")
     if h5dump is None:
         pytest.skip("h5dump not installed (.ci/run installs Debian's hdf5-tools, HDF5 1.10)")
-    dump = subprocess.run([h5dump, "-d", "/series/loss/train", str(tmp_path / "run.h5")],
-                          capture_output=True, text=True, check=True).stdout
+    dump = subprocess.run(
+        [h5dump, "-d", "/series/loss/train", str(tmp_path / "run.h5")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "(0): 0, 1, 2, 3, 4, 5, 6, 7, 8, 9" in dump
 
 

@@ -7,6 +7,8 @@ keeps the basis orthonormal to working precision: no ghost eigenvalues, at O(m·
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -89,7 +91,7 @@ class KrylovBasis:
     def is_invariant(self) -> bool:
         """Whether the basis spans an invariant subspace (the residual vanished)."""
         scale = np.abs(self.projected[: self.m, : self.m]).max(initial=0.0)
-        return self.beta <= 100 * torch.finfo(self.rows.dtype).eps * max(scale, 1e-300)
+        return self.beta <= math.sqrt(torch.finfo(self.rows.dtype).eps) * max(scale, 1e-300)
 
     def compress(self, coordinates: np.ndarray, values: np.ndarray) -> None:
         """Thick restart: keep only the Ritz vectors with the given coordinates and values.

@@ -9,6 +9,10 @@ from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.krylov import KrylovBasis, random_vectors
 from dynamics.curvature.operator import LinearOperator
 
+#: Weight of a random unit vector added to a warm start, so that a direction absent from the
+#: earlier eigenvectors still enters the Krylov space early.
+WARM_START_NOISE = 0.1
+
 
 def lanczos(
     operator: LinearOperator,
@@ -28,9 +32,11 @@ def lanczos(
     operator's dtype) are held to that absolute floor instead, as ARPACK does, so that
     (near-)zero eigenvalues can converge.
 
-    A single start vector cannot see more copies of a repeated eigenvalue than the Krylov space
-    it generates; when that space becomes invariant before ``k`` pairs exist, a fresh random
-    direction is added, but copies beyond the invariant space found first may be missed.
+    Repeated eigenvalues: the Krylov space of one vector holds one copy of each. When it becomes
+    invariant (the residual vanishes) before the whole space is spanned, the search goes on from
+    a random vector orthogonal to it — a fresh block, which holds one copy of each eigenvalue
+    left — until a fresh block has ``k`` vectors, or turns invariant with every eigenvalue below
+    the ``k``-th found so far.
 
     Args:
         operator: symmetric operator (e.g. :class:`~dynamics.curvature.HessianOperator`).
@@ -40,9 +46,10 @@ def lanczos(
             ``converged=False``.
         basis_size: basis vectors held at once (memory ``basis_size × n``); when full, the
             basis is restarted from its best Ritz vectors. Defaults to ``max(2k + 20, 3k)``.
-        warm_start: rows of earlier eigenvectors (e.g. the previous training step's); their sum
-            is the start vector, so the Krylov space contains their span after a few products.
-        seed: seed of the random start vector (and of any fresh direction).
+        warm_start: rows of earlier eigenvectors (e.g. the previous training step's). The start
+            vector is their normalised sum plus ``WARM_START_NOISE`` times a random unit vector,
+            so the Krylov space nearly contains their span after ``len(warm_start)`` products.
+        seed: seed of the random start vector (and of any fresh block).
 
     Returns:
         The top-k pairs, largest first, with residuals and the products used.
@@ -62,22 +69,30 @@ def lanczos(
 
     basis = KrylovBasis(operator, capacity)
     basis.restart_with(_start_vector(operator, warm_start, seed))
-    fresh_seed = seed
+    fresh: int | None = None  # where the block after the latest invariant subspace starts
+    blocks = 0
     while True:
         if basis.m == capacity:
             values, coordinates, _ = basis.ritz()
             basis.compress(coordinates[:, -keep:], values[-keep:])
-        if basis.is_invariant():
-            fresh_seed += 1
-            basis.restart_with(random_vectors(1, operator, fresh_seed)[0])
+            fresh = None  # the kept vectors mix the blocks; go on as one basis
         basis.step()
-        if basis.m < min(k, n) and basis.n_hvp < max_hvp:
-            continue
         values, coordinates, residuals = basis.ritz()
         top = np.argsort(values)[::-1][:k]
         bound = tol * np.maximum(np.abs(values[top]), floor * np.abs(values).max())
-        converged = bool((residuals[top] <= bound).all())
-        if converged or basis.m == n or basis.n_hvp >= max_hvp:
+        converged = basis.m >= k and bool((residuals[top] <= bound).all())
+        if basis.m == n or basis.n_hvp >= max_hvp:
+            break
+        if basis.is_invariant():
+            if fresh is not None and basis.m >= k:
+                block_top = np.linalg.eigvalsh(basis.projected[fresh : basis.m, fresh : basis.m])
+                if block_top[-1] < values[top[-1]] - bound[-1]:
+                    break  # no eigenvalue left outside the basis reaches the top k
+            fresh = basis.m
+            blocks += 1
+            basis.restart_with(random_vectors(1, operator, seed + blocks)[0])
+            continue
+        if converged and (fresh is None or basis.m - fresh >= k):
             break
 
     mixing = torch.from_numpy(coordinates[:, top].T.copy()).to(operator.dtype).to(operator.device)
@@ -93,13 +108,15 @@ def lanczos(
 def _start_vector(
     operator: LinearOperator, warm_start: torch.Tensor | None, seed: int
 ) -> torch.Tensor:
+    noise = random_vectors(1, operator, seed)[0]
     if warm_start is None:
-        return random_vectors(1, operator, seed)[0]
+        return noise
     if warm_start.shape[-1] != operator.size:
         raise ValueError(
             f"warm_start vectors have length {warm_start.shape[-1]}, operator size {operator.size}"
         )
-    start = warm_start.reshape(-1, operator.size).sum(0)
-    if not torch.isfinite(start).all() or torch.linalg.vector_norm(start) == 0:
-        return random_vectors(1, operator, seed)[0]
-    return start
+    start = warm_start.reshape(-1, operator.size).to(noise).sum(0)
+    norm = torch.linalg.vector_norm(start)
+    if not torch.isfinite(norm) or norm == 0:
+        return noise
+    return start / norm + WARM_START_NOISE * noise / torch.linalg.vector_norm(noise)

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from dynamics.activations import SHIFTS
 from dynamics.errors import DynamicsError
 
 
@@ -97,6 +98,12 @@ class TeacherStudentConfig:
             raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
         if not self.variants:
             raise ConfigError("variants must name at least one student")
+        shifts = {f"variants.{name}": shift for name, shift in self.variants.items()}
+        shifts["data.teacher_shift"] = self.data.teacher_shift
+        for key, shift in shifts.items():
+            numeric = isinstance(shift, (int, float)) and not isinstance(shift, bool)
+            if shift not in SHIFTS and not numeric:
+                raise ConfigError(f"{key}: shift must be one of {SHIFTS} or a number: {shift!r}")
         for name in self.variants:
             if not name.replace("_", "").replace("-", "").isalnum():
                 raise ConfigError(f"variant name {name!r} must be letters, digits, - or _")

@@ -56,8 +56,13 @@ class TeacherStudentModule(pl.LightningModule):
             raise ValueError(f"optimizer must be adam, adamw or sgd, got {optimizer!r}")
         self.save_hyperparameters()
         self.student = seeded_residual_mlp(
-            seed, width=width, expansion=expansion, depth=depth, activation=activation,
-            shift=shift, bias=bias,
+            seed,
+            width=width,
+            expansion=expansion,
+            depth=depth,
+            activation=activation,
+            shift=shift,
+            bias=bias,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,8 +132,13 @@ class TeacherStudentData(pl.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.teacher = seeded_residual_mlp(
-            teacher_seed, width=width, expansion=expansion, depth=depth,
-            activation=activation, shift=shift, bias=bias,
+            teacher_seed,
+            width=width,
+            expansion=expansion,
+            depth=depth,
+            activation=activation,
+            shift=shift,
+            bias=bias,
         ).requires_grad_(False)
 
     def train_dataloader(self) -> DataLoader:

@@ -4,4 +4,13 @@ from dynamics.store.reader import Run, Series, open_run
 from dynamics.store.schema import SCHEMA, SCHEMA_VERSION, RunFileError, SeriesSpec
 from dynamics.store.writer import RunWriter
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "Run", "RunFileError", "RunWriter", "Series", "SeriesSpec", "open_run"]
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "Run",
+    "RunFileError",
+    "RunWriter",
+    "Series",
+    "SeriesSpec",
+    "open_run",
+]

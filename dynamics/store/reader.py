@@ -10,12 +10,11 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
 
-from dynamics.params import ParameterLayout
 from dynamics.store.schema import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -26,6 +25,9 @@ from dynamics.store.schema import (
     RunFileError,
     decode_attr,
 )
+
+if TYPE_CHECKING:
+    from dynamics.params import ParameterLayout
 
 
 @dataclass(frozen=True)
@@ -70,13 +72,17 @@ class Run:
 
     @cached_property
     def layout(self) -> ParameterLayout | None:
+        from dynamics.params import ParameterLayout  # torch, which offline summaries never need
+
         data = self.attrs.get("layout")
         return ParameterLayout.from_dict(data) if data else None
 
     def series(self, group: str) -> Series:
         """Every row of ``group`` (read once, then cached)."""
         if group not in self.groups:
-            raise KeyError(f"{self.path.name} has no series {group!r} (has {', '.join(self.groups)})")
+            raise KeyError(
+                f"{self.path.name} has no series {group!r} (has {', '.join(self.groups)})"
+            )
         if group not in self._series:
             with _open(self.path) as file:
                 self._series[group] = _read_series(file[SERIES][group])

@@ -8,6 +8,7 @@ them in blocks, flushing at a bounded interval so a killed process loses at most
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +16,6 @@ from typing import Any
 
 import h5py
 import numpy as np
-import torch
 
 from dynamics.store.schema import (
     LIBVER,
@@ -144,7 +144,7 @@ class RunWriter:
         if len(self._pending[group]) >= self.block_rows or self._interval_elapsed():
             self.flush()
 
-    def write_vector(self, name: str, value: torch.Tensor | np.ndarray) -> None:
+    def write_vector(self, name: str, value: Any) -> None:
         """Fill a declared vector (θ0, θ_T, ...) and flush it to disk at once."""
         self._file[VECTORS][name][...] = _to_numpy(value)
         self.flush()
@@ -208,13 +208,21 @@ def _rows_through(group: h5py.Group, through_step: int) -> int:
 
 
 def _stack(values: list[Any]) -> np.ndarray:
-    # One device-to-host copy per block rather than per row.
-    if all(isinstance(v, torch.Tensor) for v in values):
+    torch = _torch()
+    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
+        # One device-to-host copy per block rather than per row.
         return torch.stack([v.detach() for v in values]).cpu().numpy()
     return np.stack([_to_numpy(v) for v in values])
 
 
 def _to_numpy(value: Any) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def _torch() -> Any:
+    # Rows can only be tensors once torch is loaded; offline tools (info, report) never load it,
+    # which keeps them quick to start.
+    return sys.modules.get("torch")
