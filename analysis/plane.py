@@ -1,0 +1,427 @@
+"""Planes through parameter space and the coordinates of parameter vectors on them.
+
+A :class:`Plane` is an origin θ0 and an orthonormal pair (u, v) of flat parameter vectors (in a
+run's :class:`~dynamics.params.ParameterLayout` order). The paper's Fig. 3 (seed 002, §2.3)
+uses the plane of two students' initial gradients and, for the out-of-plane view, the plane of
+a student's in-plane direction and the normalized part of its displacement orthogonal to the
+first plane. Random filter-normalized planes (Li et al. 2018) and PCA planes of a run's
+snapshots are built the same way, so the views can be compared.
+
+All arithmetic is float64 whatever the dtype of the vectors given, and nothing given is mutated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import ArrayLike
+from sklearn.decomposition import PCA
+
+from dynamics.params import ParameterLayout
+
+#: Largest deviation of a plane's Gram matrix from the identity that still counts as orthonormal.
+ORTHONORMAL_TOLERANCE = 1e-6
+#: Below this sine of the angle between two directions they are treated as one direction.
+COLLINEAR_TOLERANCE = 1e-6
+#: Below this fraction of a displacement's norm a component counts as absent.
+NEGLIGIBLE_FRACTION = 1e-12
+
+
+@dataclass(frozen=True, eq=False)
+class Plane:
+    """The affine plane θ0 + a·u + b·v of parameter space.
+
+    Attributes:
+        origin: θ0, a flat float64 parameter vector.
+        u: first unit basis vector (the heatmap's horizontal axis, coordinate ``a``).
+        v: second unit basis vector, orthogonal to ``u`` (vertical axis, coordinate ``b``).
+        kind: how the plane was built: ``"gradients"``, ``"random-filter-normalized"``,
+            ``"pca"``, ``"out-of-plane"``, or anything a caller chooses.
+        metadata: JSON-compatible facts about the construction (see each constructor).
+
+    The vectors are stored as read-only float64 copies; construction raises ``ValueError`` if
+    their sizes differ, an entry is not finite, or (u, v) is not orthonormal to
+    :data:`ORTHONORMAL_TOLERANCE`.
+    """
+
+    origin: np.ndarray
+    u: np.ndarray
+    v: np.ndarray
+    kind: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        vectors = {name: _as_vector(getattr(self, name), name) for name in ("origin", "u", "v")}
+        _check_sizes(**vectors)
+        u, v = vectors["u"], vectors["v"]
+        gram = np.array([[u @ u, u @ v], [u @ v, v @ v]])
+        deviation = float(np.max(np.abs(gram - np.eye(2))))
+        if deviation > ORTHONORMAL_TOLERANCE:
+            raise ValueError(
+                f"plane basis is not orthonormal: its Gram matrix is {deviation:.3g} from identity"
+            )
+        for name, vector in vectors.items():
+            vector.setflags(write=False)
+            object.__setattr__(self, name, vector)
+        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+    @property
+    def size(self) -> int:
+        """Length of the flat parameter vectors."""
+        return self.origin.size
+
+    def point(self, a: float, b: float) -> np.ndarray:
+        """The parameter vector θ0 + a·u + b·v (float64)."""
+        return self.origin + a * self.u + b * self.v
+
+
+@dataclass(frozen=True, eq=False)
+class Grid:
+    """Plane coordinates at which a heatmap is evaluated.
+
+    A heatmap over a grid is an array of shape :attr:`shape` = ``(len(betas), len(alphas))``:
+    rows (axis 0) follow ``betas``, the coordinate along ``v``; columns (axis 1) follow
+    ``alphas``, the coordinate along ``u``. ``heatmap[i, j]`` is the loss at
+    θ0 + alphas[j]·u + betas[i]·v, the orientation image and plotly heatmaps draw with
+    ``u`` horizontal.
+
+    Attributes:
+        alphas: strictly increasing coordinates along ``u``, at least 2.
+        betas: strictly increasing coordinates along ``v``, at least 2.
+    """
+
+    alphas: np.ndarray
+    betas: np.ndarray
+
+    def __post_init__(self) -> None:
+        for name in ("alphas", "betas"):
+            axis = np.array(getattr(self, name), dtype=np.float64)
+            if axis.ndim != 1 or axis.size < 2:
+                raise ValueError(
+                    f"grid needs at least 2 {name} in a flat sequence, got shape {axis.shape}"
+                )
+            if not np.all(np.isfinite(axis)) or not np.all(np.diff(axis) > 0):
+                raise ValueError(f"grid {name} must be finite and strictly increasing")
+            axis.setflags(write=False)
+            object.__setattr__(self, name, axis)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(len(betas), len(alphas))``: the shape of a heatmap over this grid."""
+        return (self.betas.size, self.alphas.size)
+
+    @property
+    def size(self) -> int:
+        """Number of grid points."""
+        return self.betas.size * self.alphas.size
+
+
+def plane_from_gradients(theta0: ArrayLike, g_a: ArrayLike, g_b: ArrayLike) -> Plane:
+    """The plane through θ0 spanned by two initial gradients (the paper's Fig. 3 plane).
+
+    u = g_a/‖g_a‖ and v is g_b Gram–Schmidt-orthogonalized against u, then normalized.
+
+    Args:
+        theta0: the shared initial parameters.
+        g_a: run A's initial gradient.
+        g_b: run B's initial gradient.
+
+    Returns:
+        A plane of kind ``"gradients"``; metadata ``norm_a``, ``norm_b`` (gradient norms) and
+        ``cosine`` (cosine of the angle between the gradients).
+
+    Raises:
+        ValueError: if the sizes differ, a gradient is zero or not finite, or the gradients
+            are collinear (sine of their angle below :data:`COLLINEAR_TOLERANCE`).
+    """
+    theta0 = _as_vector(theta0, "theta0")
+    g_a, g_b = _as_vector(g_a, "g_a"), _as_vector(g_b, "g_b")
+    _check_sizes(theta0=theta0, g_a=g_a, g_b=g_b)
+    norm_a, norm_b = float(np.linalg.norm(g_a)), float(np.linalg.norm(g_b))
+    for name, norm in (("g_a", norm_a), ("g_b", norm_b)):
+        if norm == 0.0:
+            raise ValueError(f"{name} is zero: a zero gradient spans no direction")
+    u = g_a / norm_a
+    v, sine = _orthonormalized(g_b, [u])
+    cosine = float(g_a @ g_b) / (norm_a * norm_b)
+    if sine < COLLINEAR_TOLERANCE:
+        raise ValueError(f"g_a and g_b are collinear (cosine {cosine:+.9f}): they span no plane")
+    return Plane(theta0, u, v, "gradients", {"norm_a": norm_a, "norm_b": norm_b, "cosine": cosine})
+
+
+def random_filter_normalized_plane(theta0: ArrayLike, layout: ParameterLayout, seed: int) -> Plane:
+    """A random plane through θ0 with filter-wise normalized directions (Li et al. 2018).
+
+    Two Gaussian directions d1, d2 are drawn (numpy ``default_rng(seed)``, float64). In each
+    parameter of two or more dimensions, every filter (row along the first axis: an output
+    neuron of a linear layer, an output channel of a convolution) is rescaled to the norm of
+    the same filter of θ0, so a filter of θ0 that is zero gets a zero direction. Parameters of
+    at most one dimension (biases, norm gains) are set to zero, as Li et al. do with
+    ``ignore="biasbn"``: scale-only parameters would otherwise dominate the picture.
+
+    The returned basis is orthonormal, so ``u = d1/‖d1‖`` and ``v`` is d2 Gram–Schmidt-ed
+    against u; the plane is the one d1 and d2 span. Metadata ``direction_coordinates`` holds
+    the (a, b) coordinates of d1 and d2, so Li et al.'s coordinates (α, β), meaning
+    θ0 + α·d1 + β·d2, are ``(a, b) = α·coords[0] + β·coords[1]``.
+
+    Args:
+        theta0: the parameters the plane passes through and whose filter norms scale it.
+        layout: the layout of ``theta0``.
+        seed: seed of the random directions.
+
+    Raises:
+        ValueError: if ``theta0`` does not match ``layout``, or every filter of θ0 is zero.
+    """
+    theta0 = _as_vector(theta0, "theta0")
+    if theta0.size != layout.size:
+        raise ValueError(f"theta0 has {theta0.size} entries, layout has {layout.size}")
+    rng = np.random.default_rng(seed)
+    d1 = _filter_normalized(rng.standard_normal(layout.size), theta0, layout)
+    d2 = _filter_normalized(rng.standard_normal(layout.size), theta0, layout)
+    norm_d1 = float(np.linalg.norm(d1))
+    if norm_d1 == 0.0:
+        raise ValueError("theta0 has no nonzero filter of two or more dimensions to normalize by")
+    u = d1 / norm_d1
+    v, sine = _orthonormalized(d2, [u])
+    if sine < COLLINEAR_TOLERANCE:
+        raise ValueError(
+            "the filter-normalized directions are collinear: theta0 has too few weights"
+        )
+    coordinates = [[norm_d1, 0.0], [float(d2 @ u), float(d2 @ v)]]
+    return Plane(
+        theta0,
+        u,
+        v,
+        "random-filter-normalized",
+        {"seed": seed, "direction_coordinates": coordinates},
+    )
+
+
+def pca_plane(theta0: ArrayLike, snapshots: ArrayLike) -> Plane:
+    """The plane through θ0 of the two principal directions of a run's snapshots.
+
+    scikit-learn's PCA is fitted to the displacements θt − θ0 (it centers them, as in Li et
+    al. 2018's trajectory plots). Signs are chosen so that the last snapshot has a ≥ 0 and
+    b ≥ 0.
+
+    Args:
+        theta0: the run's initial parameters.
+        snapshots: array of shape ``(T, n)``, one parameter vector per row, T ≥ 3.
+
+    Returns:
+        A plane of kind ``"pca"``; metadata ``explained_variance_ratio`` (the two components'
+        shares of the displacements' variance) and ``num_snapshots``.
+
+    Raises:
+        ValueError: on a size mismatch, fewer than 3 snapshots, non-finite entries, or
+            snapshots that move along fewer than two directions.
+    """
+    theta0 = _as_vector(theta0, "theta0")
+    displacements = _as_matrix(snapshots, "snapshots") - theta0
+    if displacements.shape[1] != theta0.size:
+        raise ValueError(
+            f"snapshots have {displacements.shape[1]} entries per row, theta0 has {theta0.size}"
+        )
+    if displacements.shape[0] < 3:
+        raise ValueError(f"a PCA plane needs at least 3 snapshots, got {displacements.shape[0]}")
+    pca = PCA(n_components=2, svd_solver="full").fit(displacements)
+    variance = pca.explained_variance_
+    if not variance[1] > NEGLIGIBLE_FRACTION * variance[0]:
+        raise ValueError("snapshots move along fewer than two directions: they span no plane")
+    u, _ = _orthonormalized(pca.components_[0], [])
+    v, _ = _orthonormalized(pca.components_[1], [u])
+    final = displacements[-1]
+    u = -u if final @ u < 0 else u
+    v = -v if final @ v < 0 else v
+    ratio = [float(r) for r in pca.explained_variance_ratio_]
+    return Plane(
+        theta0,
+        u,
+        v,
+        "pca",
+        {"explained_variance_ratio": ratio, "num_snapshots": displacements.shape[0]},
+    )
+
+
+def project(plane: Plane, thetas: ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Coordinates of parameter vectors on a plane, and their distance from it.
+
+    For each θ, with d = θ − θ0: a = d·u, b = d·v and r = ‖d − a·u − b·v‖, all accumulated
+    in float64, so a² + b² + r² = ‖d‖² to rounding. Rows are converted one at a time, so an
+    h5py dataset of snapshots is read row by row instead of whole.
+
+    Args:
+        plane: the plane.
+        thetas: one flat parameter vector, or a sequence of them (array of shape ``(T, n)``,
+            tensor, or h5py dataset).
+
+    Returns:
+        ``(a, b, r)``, float64 arrays of shape ``thetas.shape[:-1]``.
+
+    Raises:
+        ValueError: if a vector's size differs from the plane's or an entry is not finite.
+    """
+    if isinstance(thetas, torch.Tensor):
+        thetas = thetas.detach().cpu().numpy()
+    if np.ndim(thetas) == 1:
+        a, b, r = project(plane, [thetas])
+        return a.reshape(()), b.reshape(()), r.reshape(())
+    coords = np.empty((len(thetas), 3))
+    for t in range(len(thetas)):
+        d = _as_vector(thetas[t], f"thetas[{t}]")
+        _check_sizes(plane=plane.origin, **{f"thetas[{t}]": d})
+        d -= plane.origin
+        a, b = d @ plane.u, d @ plane.v
+        coords[t] = a, b, np.linalg.norm(d - a * plane.u - b * plane.v)
+    return coords[:, 0], coords[:, 1], coords[:, 2]
+
+
+def out_of_plane_view(plane: Plane, theta_final: ArrayLike) -> tuple[Plane, float]:
+    """The paper's second view: the plane of a run's in-plane and out-of-plane motion.
+
+    With d = θT − θ0, p̂ is the normalized projection of d onto ``plane`` and w the
+    normalized component of d orthogonal to it (Gram–Schmidt against u and v). The new plane
+    (p̂, w) through the same θ0 contains θT exactly.
+
+    Args:
+        plane: the initial plane (usually the initial-gradient plane).
+        theta_final: the run's final parameters θT.
+
+    Returns:
+        ``(view, share)``: the plane of kind ``"out-of-plane"`` (metadata ``in_plane_share``,
+        ``in_plane_direction`` — the (a, b) coordinates of p̂ on ``plane`` — and
+        ``parent_kind``), and the share of ‖θT − θ0‖² inside ``plane``.
+
+    Raises:
+        ValueError: on a size mismatch, or when the displacement is zero, lies inside the
+            plane, or is orthogonal to it (then p̂ or w is undefined).
+    """
+    d = _as_vector(theta_final, "theta_final")
+    _check_sizes(plane=plane.origin, theta_final=d)
+    d -= plane.origin
+    total = float(d @ d)
+    if total == 0.0:
+        raise ValueError("theta_final equals the plane's origin: there is no displacement")
+    a, b = float(d @ plane.u), float(d @ plane.v)
+    in_plane_norm = float(np.hypot(a, b))
+    w, out_fraction = _orthonormalized(d, [plane.u, plane.v])
+    if out_fraction < NEGLIGIBLE_FRACTION:
+        raise ValueError("the displacement lies inside the plane: it has no out-of-plane part")
+    if in_plane_norm < NEGLIGIBLE_FRACTION * np.sqrt(total):
+        raise ValueError("the displacement is orthogonal to the plane: it has no in-plane part")
+    p_hat = (a * plane.u + b * plane.v) / in_plane_norm
+    share = (a * a + b * b) / total
+    metadata = {
+        "in_plane_share": share,
+        "in_plane_direction": [a / in_plane_norm, b / in_plane_norm],
+        "parent_kind": plane.kind,
+    }
+    return Plane(plane.origin, p_hat, w, "out-of-plane", metadata), share
+
+
+def covering_grid(
+    trajectories: Iterable[tuple[ArrayLike, ArrayLike]],
+    *,
+    num_alphas: int = 41,
+    num_betas: int = 41,
+    margin: float = 0.25,
+) -> Grid:
+    """An evenly spaced grid that covers trajectories and the origin, with a margin.
+
+    Each axis spans the range of the coordinates on it (including the origin, 0) widened by
+    ``margin`` times that range on both sides. An axis along which nothing moves gets the
+    other axis's range, centered on its value.
+
+    Args:
+        trajectories: ``(a, b)`` coordinate arrays, e.g. the first two outputs of
+            :func:`project` for each run.
+        num_alphas: number of grid columns, along u (coordinate ``a``).
+        num_betas: number of grid rows, along v (coordinate ``b``).
+        margin: extra fraction of each axis's range added on both sides, ≥ 0.
+
+    Raises:
+        ValueError: if an axis gets fewer than 2 points, ``margin`` is negative, a coordinate
+            is not finite, or nothing moves at all.
+    """
+    if not margin >= 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    pairs = [(np.ravel(a), np.ravel(b)) for a, b in trajectories]
+    a = np.concatenate([[0.0], *(a for a, _ in pairs)]).astype(np.float64)
+    b = np.concatenate([[0.0], *(b for _, b in pairs)]).astype(np.float64)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        raise ValueError("trajectory coordinates must be finite")
+    ranges = [(axis.min(), axis.max()) for axis in (a, b)]
+    extent = max(hi - lo for lo, hi in ranges)
+    if extent == 0.0:
+        raise ValueError("the trajectories never leave the origin: nothing to cover")
+    axes = []
+    for (lo, hi), num in zip(ranges, (num_alphas, num_betas)):
+        if hi == lo:
+            lo, hi = lo - extent / 2, hi + extent / 2
+        pad = margin * (hi - lo)
+        axes.append(np.linspace(lo - pad, hi + pad, num))
+    return Grid(*axes)
+
+
+def _filter_normalized(
+    direction: np.ndarray, theta0: np.ndarray, layout: ParameterLayout
+) -> np.ndarray:
+    start = 0
+    for numel, shape in zip(layout.numels, layout.shapes):
+        block = direction[start : start + numel]
+        if len(shape) <= 1 or numel == 0:
+            block[:] = 0.0
+        else:
+            filters = block.reshape(shape[0], -1)
+            reference = theta0[start : start + numel].reshape(shape[0], -1)
+            filters *= (np.linalg.norm(reference, axis=1) / np.linalg.norm(filters, axis=1))[
+                :, None
+            ]
+        start += numel
+    return direction
+
+
+def _orthonormalized(x: np.ndarray, basis: list[np.ndarray]) -> tuple[np.ndarray, float]:
+    """``x`` made orthogonal to the orthonormal ``basis`` and normalized, and the fraction
+    ‖x⊥‖/‖x‖ that was left (0.0 for a zero or fully spanned ``x``, whose result is zeros)."""
+    y = np.array(x, dtype=np.float64)
+    # Two Gram–Schmidt passes: one leaves O(eps·‖x‖/‖x⊥‖) of the basis in y, two leave O(eps).
+    for _ in range(2):
+        for e in basis:
+            y -= (y @ e) * e
+    norm_x, norm_y = float(np.linalg.norm(x)), float(np.linalg.norm(y))
+    if norm_y == 0.0:
+        return y, 0.0
+    return y / norm_y, norm_y / norm_x
+
+
+def _as_vector(x: ArrayLike, name: str) -> np.ndarray:
+    array = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+    array = np.array(array, dtype=np.float64)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a flat parameter vector, got shape {array.shape}")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} has non-finite entries")
+    return array
+
+
+def _as_matrix(x: ArrayLike, name: str) -> np.ndarray:
+    array = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+    array = np.array(array, dtype=np.float64)
+    if array.ndim != 2:
+        raise ValueError(f"{name} must have one parameter vector per row, got shape {array.shape}")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} has non-finite entries")
+    return array
+
+
+def _check_sizes(**vectors: np.ndarray) -> None:
+    sizes = {name: vector.size for name, vector in vectors.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name} {size}" for name, size in sizes.items())
+        raise ValueError(f"vector sizes differ ({listed}): not the same parameter layout")
