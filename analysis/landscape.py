@@ -20,10 +20,9 @@ from numpy.typing import ArrayLike
 from torch import nn
 from tqdm.auto import tqdm
 
+from dynamics.analysis.plane import Grid, Plane
 from dynamics.loss_rule import module_loss
 from dynamics.params import ParameterLayout, parameter_vector
-
-from .plane import Grid, Plane
 
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]
 

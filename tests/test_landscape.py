@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dynamics.analysis.landscape import LossSurface, evaluate_grid
-from dynamics.analysis.plane import Grid, Plane, plane_from_gradients
 from torch import nn
 
+from dynamics.analysis.landscape import LossSurface, evaluate_grid
+from dynamics.analysis.plane import Grid, Plane, plane_from_gradients
 from dynamics.params import ParameterLayout, parameter_vector
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from dynamics.analysis.plane import (
     Grid,
     Plane,
@@ -13,7 +14,6 @@ from dynamics.analysis.plane import (
     project,
     random_filter_normalized_plane,
 )
-
 from dynamics.params import ParameterLayout
 
 N = 500
