@@ -1,5 +1,6 @@
 """Lightning glue: the recorder callback and its probes."""
 
+from dynamics.callbacks.gradient_plane import GradientPlane
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.logged_metrics import LoggedMetrics
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
@@ -9,6 +10,7 @@ from dynamics.callbacks.training_loss import TrainingLoss
 
 __all__ = [
     "DynamicsRecorder",
+    "GradientPlane",
     "HiddenStateNorms",
     "LoggedMetrics",
     "ParameterDisplacement",

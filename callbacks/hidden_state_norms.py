@@ -64,7 +64,7 @@ class HiddenStateNorms(Probe):
         self._biases: dict[str, list[torch.Tensor]] = {}
         self._armed = False
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self.teardown()
         self.layers = _choose_modules(pl_module, self.patterns, self.types)
         if not self.layers:

@@ -35,8 +35,10 @@ class Probe:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Called once at fit start, before :meth:`series` (register hooks, read θ0 here)."""
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Called at the first training batch of a fit, before its forward and before
+        :meth:`series`: register hooks, read θ0, keep a probe batch (``batch`` is that first
+        training batch, already on the module's device)."""
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         """The groups and series this probe will fill: ``{group: {series: spec}}``."""
@@ -47,7 +49,7 @@ class Probe:
         return {}
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
-        """Values of declared vectors known at fit start (e.g. θ0); called after setup."""
+        """Values of declared vectors known at setup (θ0, a probe batch); called after it."""
         return {}
 
     def is_due(self, step: int) -> bool:

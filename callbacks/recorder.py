@@ -72,6 +72,7 @@ class DynamicsRecorder(Callback):
         self.flush_interval_s = flush_interval_s
         self.block_rows = block_rows
         self._writer: RunWriter | None = None
+        self._started = False
         self._resume_from: dict[str, int] | None = None
         self._armed: tuple[int, list[Probe]] | None = None
         self._last_step = -1  # last optimizer step whose probes ran
@@ -81,12 +82,22 @@ class DynamicsRecorder(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(path=str(self.path))
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        # At the first training batch rather than at fit start: probes may keep that batch
+        # (a probe batch) and must know its shape before the file's datasets are created.
+        self._started = True
         for probe in self.probes:
-            probe.setup(trainer, pl_module)
+            probe.setup(trainer, pl_module, batch)
         if not trainer.is_global_zero:
             return
-        writer_options = {"block_rows": self.block_rows, "flush_interval_s": self.flush_interval_s}
+        # Large rows (snapshots) are written once about two parameter vectors are buffered, so
+        # the recorder's memory stays a small multiple of the model's.
+        param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        writer_options = {
+            "block_rows": self.block_rows,
+            "block_bytes": max(1 << 20, 2 * param_bytes),
+            "flush_interval_s": self.flush_interval_s,
+        }
         if self._resume_from is not None:
             self._writer = RunWriter.resume(self.path, self._resume_from, **writer_options)
             return
@@ -103,6 +114,8 @@ class DynamicsRecorder(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if not self._started:
+            self._start(trainer, pl_module, batch)
         step = trainer.global_step
         if self._armed is not None or step == self._last_step:
             return  # a later micro-batch of a step already armed or recorded
@@ -215,6 +228,7 @@ class DynamicsRecorder(Callback):
         }
 
     def _close(self) -> None:
+        self._started = False
         if self._writer is not None:
             self._writer.close()
             self._writer = None

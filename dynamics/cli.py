@@ -10,9 +10,12 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from dynamics.errors import DynamicsError
+
+if TYPE_CHECKING:
+    from dynamics.analysis.report import Written
 
 USAGE_ERROR = 2
 
@@ -55,7 +58,51 @@ def _build_parser() -> argparse.ArgumentParser:
     info.add_argument("run", type=Path)
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(handler=_info)
+
+    plane = commands.add_parser(
+        "plane", help="loss heatmaps on the initial-gradient plane and the out-of-plane view"
+    )
+    plane.add_argument("run_a", type=Path, help="run whose initial gradient gives u")
+    plane.add_argument("run_b", type=Path, help="run whose initial gradient gives v")
+    plane.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
+    plane.add_argument("--grid", type=int, default=41, help="grid points per axis (default 41)")
+    plane.add_argument(
+        "--span", type=float, default=0.25, help="margin around the trajectories, as a fraction"
+    )
+    plane.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    plane.add_argument("--no-progress", action="store_true", help="no progress bars")
+    plane.set_defaults(handler=_plane)
+
+    report = commands.add_parser("report", help="self-contained HTML report of run files")
+    report.add_argument("runs", type=Path, nargs="+", metavar="RUN.h5", help="run files")
+    _html_output_arguments(report)
+    report.set_defaults(handler=_report)
+
+    compare = commands.add_parser("compare", help="compare runs with the first, as HTML")
+    compare.add_argument("reference", type=Path, metavar="RUN.h5", help="the reference run")
+    compare.add_argument("others", type=Path, nargs="+", metavar="RUN.h5", help="runs to compare")
+    _html_output_arguments(compare)
+    compare.set_defaults(handler=_compare)
+
+    overshoot = commands.add_parser(
+        "overshoot", help="per-layer hidden-state overshoot verdicts of a run"
+    )
+    overshoot.add_argument("run", type=Path, metavar="RUN.h5")
+    overshoot.add_argument("--json", action="store_true", help="machine-readable output")
+    overshoot.set_defaults(handler=_overshoot)
     return parser
+
+
+def _html_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument(
+        "--static",
+        type=Path,
+        metavar="DIR",
+        help="also export each figure into DIR (needs kaleido and a Chromium)",
+    )
+    parser.add_argument("--static-format", choices=("png", "svg"), default="png")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -99,6 +146,118 @@ def _info(args: argparse.Namespace) -> int:
     config = summary["attrs"].get("config")
     if config:
         print(f"  config {json.dumps(config, sort_keys=True)}")
+    return 0
+
+
+def _plane(args: argparse.Namespace) -> int:
+    from dynamics.analysis.landscape import LossSurface
+    from dynamics.analysis.plane_report import write_plane_html
+    from dynamics.analysis.plane_views import plane_views, save_views
+    from dynamics.rebuild import probe_batch, rebuild_module
+    from dynamics.store import open_run
+
+    results = args.output.with_suffix(".h5")
+    for path in (args.output, results):
+        if path.exists() and not args.overwrite:
+            raise DynamicsError(f"{path} exists; pass --overwrite to replace it")
+    if not args.output.parent.is_dir():
+        raise DynamicsError(f"output folder {args.output.parent} does not exist")
+    runs = [open_run(args.run_a), open_run(args.run_b)]
+    if runs[0].name == runs[1].name:
+        raise DynamicsError("the two runs need different names (file stems or run_name)")
+    surfaces = {}
+    for run in runs:
+        module = rebuild_module(run)
+        surfaces[run.name] = LossSurface(module, run.layout, probe_batch(run))
+    views = plane_views(*runs, surfaces, args.grid, args.span, progress=not args.no_progress)
+    write_plane_html(views, args.output, overwrite=args.overwrite)
+    save_views(views, results)
+    notes = {note: value for view in views for note, value in view.notes.items()}
+    for note, value in notes.items():
+        print(f"{note}: {value:.4f}")
+    print(f"wrote {args.output} (grids and trajectories in {results})")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from dynamics.analysis.report import write_report
+
+    written = write_report(
+        args.runs,
+        args.output,
+        args.overwrite,
+        static_dir=args.static,
+        static_format=args.static_format,
+    )
+    return _print_written(written)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from dynamics.analysis.compare import write_comparison
+
+    written = write_comparison(
+        [args.reference, *args.others],
+        args.output,
+        args.overwrite,
+        static_dir=args.static,
+        static_format=args.static_format,
+    )
+    return _print_written(written)
+
+
+def _print_written(written: Written) -> int:
+    print(f"wrote {written.path} ({written.figures} figures, {written.size_bytes / 1e6:.1f} MB)")
+    if written.static_files:
+        print(f"wrote {len(written.static_files)} figures into {written.static_files[0].parent}")
+    if written.static_skipped:
+        print(f"dynamics: {written.static_skipped}", file=sys.stderr)
+    return 0
+
+
+def _overshoot(args: argparse.Namespace) -> int:
+    from dynamics.analysis.report import run_overshoot
+    from dynamics.store import open_run
+
+    run = open_run(args.run)
+    report = run_overshoot(run)
+    if report is None:
+        raise DynamicsError(
+            f"{args.run}: no hidden_norms series; overshoot needs hidden-state norms "
+            "(the HiddenStateNorms probe)"
+        )
+    if args.json:
+        print(
+            json.dumps({"run": str(args.run), "run_name": run.name, **report.to_dict()}, indent=2)
+        )
+        return 0
+    window = report.loss_window
+    if window is None:
+        where = "no training loss recorded: no loss window"
+    elif window.found:
+        where = (
+            f"fastest loss descent ({window.scale} loss): steps {window.start_step}.."
+            f"{window.end_step}, steepest at {window.steepest_step}"
+        )
+    else:
+        where = f"no loss window: {window.reason}"
+    print(f"{args.run}  (run {run.name}); {where}")
+    rows = [("layer", "verdict", "signature", "peak step", "peak/plateau", "peak/start", "reason")]
+    rows += [
+        (
+            layer.name,
+            layer.verdict,
+            {None: "-", True: "yes", False: "no"}[layer.signature],
+            "-" if layer.peak_step is None else f"{layer.peak_step:g}",
+            "-" if layer.peak_over_plateau is None else f"{layer.peak_over_plateau:.4g}",
+            "-" if layer.peak_over_start is None else f"{layer.peak_over_start:.4g}",
+            layer.reason,
+        )
+        for layer in report.layers
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths)]
+        print("  ".join([*cells, row[-1]]).rstrip())
     return 0
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -76,3 +80,46 @@ def make_quiet_trainer(**kwargs) -> pl.Trainer:
 @pytest.fixture
 def quiet_trainer():
     return make_quiet_trainer
+
+
+DYNAMICS = str(Path(sys.executable).with_name("dynamics"))
+TINY_EXPERIMENT = {
+    "steps": 30,
+    "eval_every": 10,
+    "model": {"width": 8, "expansion": 2, "depth": 2},
+    "data": {"batch_size": 16, "heldout_size": 64},
+    "record": {"snapshot_budget_mb": 1},
+}
+
+
+def run_dynamics(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The installed ``dynamics`` console script, as a user runs it."""
+    return subprocess.run([DYNAMICS, *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("dynamics"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def dynamics():
+    return run_dynamics
+
+
+@pytest.fixture
+def one_line_error():
+    return assert_one_line_error
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """``dynamics run`` on a tiny teacher–student config: (folder, completed process)."""
+    folder = tmp_path_factory.mktemp("demo")
+    (folder / "tiny.yaml").write_text(yaml.safe_dump(TINY_EXPERIMENT))
+    result = run_dynamics(
+        "run", folder / "tiny.yaml", "--out", folder / "runs", "--no-progress", "--lr", "3e-3"
+    )
+    assert result.returncode == 0, result.stderr
+    return folder, result

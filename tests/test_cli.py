@@ -1,38 +1,10 @@
 """The command line, run the way a user runs it: the installed console script, in a subprocess."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
 from dynamics import open_run
-
-DYNAMICS = str(Path(sys.executable).with_name("dynamics"))
-TINY = {
-    "steps": 30,
-    "eval_every": 10,
-    "model": {"width": 8, "expansion": 2, "depth": 2},
-    "data": {"batch_size": 16, "heldout_size": 64},
-    "record": {"snapshot_budget_mb": 1},
-}
-
-
-def dynamics(*args, cwd=None):
-    return subprocess.run([DYNAMICS, *map(str, args)], capture_output=True, text=True, cwd=cwd)
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("demo")
-    (folder / "tiny.yaml").write_text(yaml.safe_dump(TINY))
-    result = dynamics(
-        "run", folder / "tiny.yaml", "--out", folder / "runs", "--no-progress", "--lr", "3e-3"
-    )
-    assert result.returncode == 0, result.stderr
-    return folder, result
 
 
 def test_run_trains_every_variant_and_prints_a_summary(demo):
@@ -48,7 +20,7 @@ def test_run_trains_every_variant_and_prints_a_summary(demo):
     assert abs(shifted.series("activation_bias")["mean"][0]).max() < 0.1
 
 
-def test_info_text_and_json(demo):
+def test_info_text_and_json(demo, dynamics):
     folder, _ = demo
     text = dynamics("info", folder / "runs" / "shifted.h5")
     assert text.returncode == 0 and "hidden_norms" in text.stdout and "steps 0..29" in text.stdout
@@ -57,18 +29,12 @@ def test_info_text_and_json(demo):
     assert summary["attrs"]["config"]["steps"] == 30
 
 
-def test_run_refuses_to_overwrite_existing_results(demo):
+def test_run_refuses_to_overwrite_existing_results(demo, dynamics):
     folder, _ = demo
     before = (folder / "runs" / "shifted.h5").read_bytes()
     result = dynamics("run", folder / "tiny.yaml", "--out", folder / "runs", "--no-progress")
     assert result.returncode == 2 and "exists" in result.stderr
     assert (folder / "runs" / "shifted.h5").read_bytes() == before
-
-
-def one_line_error(result):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("dynamics"), result.stderr
-    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -81,7 +47,7 @@ def one_line_error(result):
         ("variants: {a: sideways}\n", "shift must be one of"),
     ],
 )
-def test_bad_configs_get_one_line(tmp_path, config, message):
+def test_bad_configs_get_one_line(tmp_path, config, message, dynamics, one_line_error):
     (tmp_path / "bad.yaml").write_text(config)
     result = dynamics("run", tmp_path / "bad.yaml", "--out", tmp_path / "out", "--no-progress")
     one_line_error(result)
@@ -99,6 +65,6 @@ def test_bad_configs_get_one_line(tmp_path, config, message):
         ["run", "cfg.yaml", "--out", "x", "--steps", "many"],
     ],
 )
-def test_bad_input_gets_one_line_and_exit_2(tmp_path, args):
+def test_bad_input_gets_one_line_and_exit_2(tmp_path, args, dynamics, one_line_error):
     (tmp_path / "not_a_run.h5").write_text("plain text")
     one_line_error(dynamics(*args, cwd=tmp_path))

@@ -6,21 +6,26 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from dynamics.analysis.plane import Plane, plane_from_gradients
 from dynamics.callbacks import (
     DynamicsRecorder,
+    GradientPlane,
     HiddenStateNorms,
     LoggedMetrics,
     ParameterDisplacement,
     TrainingLoss,
 )
+from dynamics.callbacks.gradient_plane import initial_gradient
 from dynamics.errors import DynamicsError
 from dynamics.experiments.config import TeacherStudentConfig
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+from dynamics.params import ParameterLayout, parameter_vector
 from dynamics.store import open_run
 
 #: Train losses averaged for the summary's "final train loss" (single batches are noisy).
@@ -59,26 +64,30 @@ def run_teacher_student(
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
     _quiet_lightning()
+    students = {name: _student(config, shift) for name, shift in config.variants.items()}
+    probe_batch = next(iter(_data(config).train_dataloader()))
+    plane = _initial_gradient_plane(list(students.values()), probe_batch)
     results = [
-        _train_variant(config, name, shift, paths[name], progress)
-        for name, shift in config.variants.items()
+        _train_variant(config, name, students[name], paths[name], plane, probe_batch, progress)
+        for name in config.variants
     ]
     if len({r.theta0_sha256 for r in results}) != 1:
         raise DynamicsError("students do not share θ0; the comparison is invalid")
     return results
 
 
-def _train_variant(
-    config: TeacherStudentConfig, name: str, shift: str | float, path: Path, progress: bool
-) -> VariantResult:
-    module = TeacherStudentModule(
+def _student(config: TeacherStudentConfig, shift: str | float) -> TeacherStudentModule:
+    return TeacherStudentModule(
         **vars(config.model),
         shift=shift,
         seed=config.seed,
         lr=config.optimizer.lr,
         optimizer=config.optimizer.name,
     )
-    data = TeacherStudentData(
+
+
+def _data(config: TeacherStudentConfig) -> TeacherStudentData:
+    return TeacherStudentData(
         **vars(config.model),
         shift=config.data.teacher_shift,
         teacher_seed=config.data.teacher_seed,
@@ -86,6 +95,31 @@ def _train_variant(
         batch_size=config.data.batch_size,
         heldout_size=config.data.heldout_size,
     )
+
+
+def _initial_gradient_plane(students: list[TeacherStudentModule], probe_batch: Any) -> Plane | None:
+    """The plane of the first two students' initial gradients, before either trains.
+
+    Computed up front so that both run files carry the same plane, and (a, b, r), from step 0.
+    """
+    if len(students) < 2:
+        return None
+    layout = ParameterLayout.of(students[0])
+    gradients = [initial_gradient(s, probe_batch, layout).double().numpy() for s in students[:2]]
+    theta0 = parameter_vector(students[0], layout).double().numpy()
+    return plane_from_gradients(theta0, *gradients)
+
+
+def _train_variant(
+    config: TeacherStudentConfig,
+    name: str,
+    module: TeacherStudentModule,
+    path: Path,
+    plane: Plane | None,
+    probe_batch: Any,
+    progress: bool,
+) -> VariantResult:
+    data = _data(config)
     every = config.record.every_n_steps
     recorder = DynamicsRecorder(
         path,
@@ -94,6 +128,7 @@ def _train_variant(
             HiddenStateNorms(every_n_steps=every),
             ParameterDisplacement(every, snapshot_budget_mb=config.record.snapshot_budget_mb),
             LoggedMetrics(["val_loss"]),
+            GradientPlane(basis=plane, batch=probe_batch, every_n_steps=every),
         ],
         overwrite=True,  # run_teacher_student refused existing outputs up front
         config={"experiment": "teacher_student", "variant": name, **config.to_dict()},
@@ -120,7 +155,7 @@ def _train_variant(
     heldout = run.series("validation")["val_loss"]
     return VariantResult(
         name=name,
-        shift=shift,
+        shift=module.hparams.shift,
         path=path,
         final_train_loss=float(np.nanmean(train[-_FINAL_WINDOW:])),
         final_heldout_loss=float(heldout[-1]) if len(heldout) else float("nan"),
@@ -134,3 +169,4 @@ def _quiet_lightning() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*IterableDataset.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")

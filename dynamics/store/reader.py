@@ -94,7 +94,8 @@ class Run:
             return None
         with _open(self.path) as file:
             value = file[VECTORS][name][...]
-        return None if np.isnan(value).all() else value
+        unfilled = value.dtype.kind in "fc" and np.isnan(value).all()
+        return None if unfilled else value
 
     def summary(self) -> dict[str, Any]:
         """Series lengths, step ranges and metadata, as ``dynamics info`` prints them."""

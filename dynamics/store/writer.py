@@ -42,13 +42,23 @@ class RunWriter:
     Args:
         file: an open ``h5py.File`` already laid out (internal; use the constructors).
         block_rows: buffered rows per group that trigger a write.
+        block_bytes: buffered bytes (all groups) that trigger a write, so large rows such as
+            parameter snapshots never pile up in memory.
         flush_interval_s: longest time buffered rows wait before they are written and flushed.
     """
 
-    def __init__(self, file: h5py.File, block_rows: int = 256, flush_interval_s: float = 5.0):
+    def __init__(
+        self,
+        file: h5py.File,
+        block_rows: int = 256,
+        block_bytes: int = 16 << 20,
+        flush_interval_s: float = 5.0,
+    ):
         self._file = file
         self._file.swmr_mode = True
         self.block_rows = block_rows
+        self.block_bytes = block_bytes
+        self._pending_bytes = 0
         self.flush_interval_s = flush_interval_s
         self._pending: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
         self._last_flush = time.monotonic()
@@ -75,7 +85,7 @@ class RunWriter:
             vectors: ``{name: SeriesSpec}`` of vectors written once.
             attrs: root attributes (config, versions, layout, ...); JSON-encoded when structured.
             overwrite: replace an existing file; without it an existing file is refused.
-            **kwargs: ``block_rows`` and ``flush_interval_s``.
+            **kwargs: ``block_rows``, ``block_bytes`` and ``flush_interval_s``.
 
         Raises:
             RunFileError: if ``path`` exists and ``overwrite`` is false, or its folder is missing.
@@ -94,7 +104,7 @@ class RunWriter:
             _create_group(file.require_group(SERIES).create_group(group), specs)
         for name, spec in vectors.items():
             file.require_group(VECTORS).create_dataset(
-                name, shape=spec.shape, dtype=spec.dtype, fillvalue=np.nan
+                name, shape=spec.shape, dtype=spec.dtype, fillvalue=_unfilled(spec.dtype)
             )
         return cls(file, **kwargs)
 
@@ -109,7 +119,7 @@ class RunWriter:
             through_steps: ``{group: last step written before the checkpoint}``; later rows
                 (and every row of a group not named) are dropped, so the resumed series equal
                 those of an uninterrupted run.
-            **kwargs: ``block_rows`` and ``flush_interval_s``.
+            **kwargs: ``block_rows``, ``block_bytes`` and ``flush_interval_s``.
 
         The file is rewritten through a SWMR read, which also recovers a file whose writer was
         killed (HDF5 refuses to reopen those for writing).
@@ -141,7 +151,12 @@ class RunWriter:
     def append(self, group: str, step: int, values: Mapping[str, Any]) -> None:
         """Buffer one row of ``group`` (every series of the group, as tensors or arrays)."""
         self._pending.setdefault(group, []).append((step, values))
-        if len(self._pending[group]) >= self.block_rows or self._interval_elapsed():
+        self._pending_bytes += sum(getattr(v, "nbytes", 8) for v in values.values())
+        if (
+            len(self._pending[group]) >= self.block_rows
+            or self._pending_bytes >= self.block_bytes
+            or self._interval_elapsed()
+        ):
             self.flush()
 
     def write_vector(self, name: str, value: Any) -> None:
@@ -155,6 +170,7 @@ class RunWriter:
             if rows:
                 _append_rows(self._file[SERIES][group], rows)
         self._pending = {}
+        self._pending_bytes = 0
         self._file.flush()
         self._last_flush = time.monotonic()
 
@@ -180,10 +196,15 @@ def _create_group(group: h5py.Group, specs: Mapping[str, Any]) -> None:
             maxshape=(None, *spec.shape),
             dtype=spec.dtype,
             chunks=(chunk_rows, *spec.shape),
-            fillvalue=np.nan,
+            fillvalue=_unfilled(spec.dtype),
         )
         if spec.columns is not None:
             dataset.attrs["columns"] = encode_attr(list(spec.columns))
+
+
+def _unfilled(dtype: str) -> float | int:
+    # NaN marks "never written" where the dtype can hold it.
+    return np.nan if np.dtype(dtype).kind in "fc" else 0
 
 
 def _append_rows(group: h5py.Group, rows: list[tuple[int, Mapping[str, Any]]]) -> None:

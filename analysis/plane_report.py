@@ -1,0 +1,160 @@
+"""Interactive HTML of plane views: heatmaps with trajectories, and real vs on-plane losses."""
+
+from __future__ import annotations
+
+import html
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dynamics.analysis.plane_views import PlaneView
+from dynamics.errors import DynamicsError
+
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+
+
+def plane_figure(views: list[PlaneView]) -> go.Figure:
+    """One heatmap per view (log10 loss of that view's model), trajectories drawn over it."""
+    columns = 2
+    rows = -(-len(views) // columns)
+    figure = make_subplots(
+        rows=rows,
+        cols=columns,
+        subplot_titles=[v.title for v in views],
+        horizontal_spacing=0.12,
+        vertical_spacing=0.12,
+    )
+    runs = sorted({t.run for v in views for t in v.trajectories})
+    color = {run: _COLORS[i % len(_COLORS)] for i, run in enumerate(runs)}
+    # One color scale for every panel, so the single colorbar reads right on all of them.
+    logs = [np.log10(view.losses) for view in views]
+    zmin = min(np.nanmin(z) for z in logs)
+    zmax = max(np.nanmax(z) for z in logs)
+    for index, view in enumerate(views):
+        row, col = index // columns + 1, index % columns + 1
+        figure.add_trace(
+            go.Contour(
+                x=view.grid.alphas,
+                y=view.grid.betas,
+                z=logs[index],
+                zmin=zmin,
+                zmax=zmax,
+                colorscale="Viridis",
+                ncontours=30,
+                showscale=index == 0,
+                colorbar={"title": "log10 loss"},
+                name=f"loss of {view.run}",
+                hovertemplate="a=%{x:.3g}<br>b=%{y:.3g}<br>log10 loss=%{z:.3f}<extra></extra>",
+            ),
+            row=row,
+            col=col,
+        )
+        for t in view.trajectories:
+            figure.add_trace(
+                go.Scatter(
+                    x=t.a,
+                    y=t.b,
+                    mode="lines+markers",
+                    name=t.run,
+                    legendgroup=t.run,
+                    showlegend=index == 0,
+                    line={"color": color[t.run], "width": 2},
+                    marker={"size": 4},
+                    customdata=np.stack([t.step, t.loss, t.plane_loss], -1),
+                    hovertemplate=(
+                        f"{t.run} step %{{customdata[0]}}<br>loss %{{customdata[1]:.4g}}"
+                        "<br>on-plane loss %{customdata[2]:.4g}<extra></extra>"
+                    ),
+                ),
+                row=row,
+                col=col,
+            )
+            figure.add_trace(
+                go.Scatter(
+                    x=[t.a[0], t.a[-1]],
+                    y=[t.b[0], t.b[-1]],
+                    mode="markers",
+                    showlegend=False,
+                    marker={"symbol": ["circle-open", "star"], "size": 12, "color": color[t.run]},
+                    hoverinfo="skip",
+                ),
+                row=row,
+                col=col,
+            )
+        axis = "u (a)" if view.plane.kind == "gradients" else "p̂ (in-plane direction)"
+        figure.update_xaxes(title_text=axis, row=row, col=col)
+        figure.update_yaxes(
+            title_text="v (b)" if view.plane.kind == "gradients" else "w (out of plane)",
+            row=row,
+            col=col,
+        )
+    figure.update_layout(
+        height=480 * rows,
+        title="Loss landscapes on parameter planes",
+        legend={"orientation": "h", "y": -0.08},
+    )
+    return figure
+
+
+def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
+    """Loss at each real checkpoint against the loss read off the initial-gradient plane."""
+    figure = go.Figure()
+    for view in views:
+        if view.plane.kind != "gradients":
+            continue
+        for t in view.trajectories:
+            if t.run != view.run:
+                continue
+            figure.add_trace(go.Scatter(x=t.step, y=t.loss, name=f"{t.run}: checkpoint θt"))
+            figure.add_trace(
+                go.Scatter(
+                    x=t.step,
+                    y=t.plane_loss,
+                    name=f"{t.run}: projection on the plane",
+                    line={"dash": "dot"},
+                )
+            )
+    figure.update_layout(
+        title="Loss at real checkpoints vs loss read off the initial-gradient plane",
+        xaxis_title="step",
+        yaxis_title="loss (probe batch)",
+        yaxis_type="log",
+        height=420,
+    )
+    return figure
+
+
+def write_plane_html(views: list[PlaneView], out: Path, overwrite: bool = False) -> None:
+    """A self-contained HTML page (plotly.js embedded) of ``views``; written atomically.
+
+    Raises:
+        DynamicsError: ``out`` exists without ``overwrite``, or its folder is missing.
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise DynamicsError(f"{out} exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise DynamicsError(f"output folder {out.parent} does not exist")
+    notes = {k: v for view in views for k, v in view.notes.items()}
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{v:.4f}</td></tr>" for k, v in sorted(notes.items())
+    )
+    body = "\n".join(
+        [
+            "<h1>Initial-gradient plane and out-of-plane views</h1>",
+            "<p>Heatmaps: log10 of each run's loss on its stored probe batch at θ0 + a·u + b·v "
+            "(models in eval mode). Circles mark θ0, stars θT.</p>",
+            f"<table border=1 cellpadding=4>{rows}</table>",
+            plane_figure(views).to_html(full_html=False, include_plotlyjs=True),
+            checkpoint_loss_figure(views).to_html(full_html=False, include_plotlyjs=False),
+        ]
+    )
+    page = "<!DOCTYPE html><html><head><meta charset='utf-8'><title>plane views</title></head>"
+    page += f"<body>{body}</body></html>"
+    with tempfile.NamedTemporaryFile("w", dir=out.parent, suffix=".tmp", delete=False) as tmp:
+        tmp.write(page)
+    os.replace(tmp.name, out)

@@ -1,0 +1,145 @@
+"""Recording overhead: the default teacher–student run with and without the recorder.
+
+Runs the default config's unshifted student with the recorder (training loss, hidden-state norms
+and activation bias, displacement every step, snapshots within the default budget) and without
+it, alternating, in one process; prints the median wall-time ratio and the recorder's peak extra
+memory as a multiple of the model's parameter bytes. With ``--hessian`` the curvature probe (top-5
+every 50 steps) is timed too, when ``dynamics.callbacks.HessianSpectrum`` exists.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from dynamics.callbacks import (
+    DynamicsRecorder,
+    HiddenStateNorms,
+    ParameterDisplacement,
+    TrainingLoss,
+)
+from dynamics.experiments.config import load_config
+from dynamics.experiments.runner import _quiet_lightning
+from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"
+
+
+class HeldBytes(pl.Callback):
+    """Peak bytes of tensors and arrays the recorder holds beyond the model's own parameters."""
+
+    def __init__(self, recorder: DynamicsRecorder) -> None:
+        self.recorder, self.peak = recorder, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        own = {p.data_ptr() for p in pl_module.parameters()}
+        self.peak = max(self.peak, _held(self.recorder, own, set()))
+
+
+def _held(obj, own: set[int], seen: set[int]) -> int:
+    if id(obj) in seen or isinstance(obj, (pl.Trainer, torch.nn.Module)):
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return 0 if obj.data_ptr() in own else obj.untyped_storage().nbytes()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(_held(v, own, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return sum(_held(v, own, seen) for v in obj)
+    if hasattr(obj, "__dict__"):
+        return sum(_held(v, own, seen) for v in vars(obj).values())
+    return 0
+
+
+def train(config, probes, folder: Path) -> tuple[float, int, int]:
+    module = TeacherStudentModule(**vars(config.model), seed=config.seed, lr=config.optimizer.lr)
+    data = TeacherStudentData(**vars(config.model), batch_size=config.data.batch_size)
+    callbacks: list[pl.Callback] = []
+    meter = None
+    if probes is not None:
+        recorder = DynamicsRecorder(folder / f"run{time.monotonic_ns()}.h5", probes)
+        meter = HeldBytes(recorder)
+        callbacks = [recorder, meter]
+    trainer = pl.Trainer(
+        max_steps=config.steps,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    elapsed = time.perf_counter() - start
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return elapsed, (meter.peak if meter else 0), param_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=None, help="default: the config's steps")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--hessian", action="store_true", help="also time HessianSpectrum")
+    args = parser.parse_args()
+    config = load_config(CONFIG, steps=args.steps)
+    torch.set_num_threads(config.threads)
+    _quiet_lightning()
+
+    variants = {
+        "recorder (loss, hidden norms, displacement every step)": lambda: [
+            TrainingLoss(),
+            HiddenStateNorms(),
+            ParameterDisplacement(snapshot_budget_mb=32),
+        ],
+    }
+    if args.hessian:
+        from dynamics.callbacks import HessianSpectrum
+
+        variants["HessianSpectrum alone (top-5 every 50 steps)"] = lambda: [
+            HessianSpectrum(k=5, every_n_steps=50)
+        ]
+    times: dict[str, list[float]] = {"bare": [], **{name: [] for name in variants}}
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
+    peaks: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        train(config, None, Path(folder))  # warm-up: imports, allocator, first-call costs
+        for rep in range(args.reps):
+            bare, _, param_bytes = train(config, None, Path(folder))
+            times["bare"].append(bare)
+            for name, probes in variants.items():
+                elapsed, peak, _ = train(config, probes(), Path(folder))
+                times[name].append(elapsed)
+                ratios[name].append(elapsed / bare)
+                peaks[name] = max(peaks.get(name, 0), peak)
+            print(
+                f"rep {rep + 1}/{args.reps}: bare {bare:.1f} s, "
+                + ", ".join(f"{times[n][-1]:.1f} s" for n in variants),
+                flush=True,
+            )
+    print(
+        f"\n{config.steps} steps, width {config.model.width}, depth {config.model.depth}, "
+        f"{param_bytes // 4} parameters ({param_bytes / 2**20:.2f} MiB), {args.reps} reps"
+    )
+    for name in variants:
+        print(
+            f"{name}: wall-time ratio {statistics.median(ratios[name]):.3f}x "
+            f"(median of {args.reps}; range {min(ratios[name]):.3f}-{max(ratios[name]):.3f}); "
+            f"peak extra memory {peaks[name] / param_bytes:.2f}x parameter bytes"
+        )
+
+
+if __name__ == "__main__":
+    main()

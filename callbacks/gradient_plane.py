@@ -1,0 +1,176 @@
+"""The initial gradient g0, and the run's coordinates on a plane of initial gradients."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.utilities.apply_func import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from dynamics.analysis.plane import Plane, plane_from_gradients
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.isolation import side_effect_free
+from dynamics.loss_rule import module_loss
+from dynamics.params import ParameterLayout, flatten, parameter_vector, vector_hash
+from dynamics.store import RunFileError, open_run
+
+
+class GradientPlane(Probe):
+    """Stores g0 and the probe batch; records (a, b, r) of θt − θ0 on a known plane.
+
+    g0 is the gradient of the training loss (by the loss rule) at θ0 on a fixed probe batch — the
+    first training batch unless one is given — computed without touching ``.grad``, the RNG,
+    BatchNorm buffers or train/eval flags; under DDP it is the average over ranks. g0 and the
+    probe batch are stored (vectors ``g0`` and ``probe_batch.<i>``), so any two runs that share θ0
+    can later be compared on the plane of their initial gradients.
+
+    When the plane is known during the run, every ``every_n_steps`` the coordinates a, b of
+    θt − θ0 on its orthonormal basis (u, v) and the norm r of the residual orthogonal to it are
+    recorded (a² + b² + r² = ‖θt − θ0‖²). The plane is either given (``basis``) or built from a
+    partner run file that shares θ0: u = g_partner/‖g_partner‖, v = this run's g0
+    Gram–Schmidt-ed against u.
+
+    Args:
+        partner: a finished run file of the same θ0 whose ``g0`` spans the plane with ours.
+        basis: an explicit plane (as ``dynamics run`` passes both students).
+        batch: the probe batch; default: the first training batch.
+        every_n_steps: period of the (a, b, r) series.
+    """
+
+    name = "plane"
+
+    def __init__(
+        self,
+        partner: str | os.PathLike | None = None,
+        basis: Plane | None = None,
+        batch: Any = None,
+        every_n_steps: int = 1,
+    ) -> None:
+        super().__init__(every_n_steps)
+        if partner is not None and basis is not None:
+            raise ValueError("give GradientPlane a partner run or a basis, not both")
+        self.partner = Path(partner) if partner is not None else None
+        self.plane = basis
+        self._batch = batch
+        self._g0: torch.Tensor | None = None
+        self._row: dict[str, torch.Tensor] | None = None  # coordinates of θ_step, taken pre-update
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        if _sharded(trainer):
+            raise ValueError("GradientPlane needs unsharded parameters; FSDP/DeepSpeed unsupported")
+        self.layout = ParameterLayout.of(pl_module)
+        self._params = self.layout.parameters(pl_module)
+        if self._batch is None:
+            self._batch = apply_to_collection(batch, torch.Tensor, lambda t: t.detach().clone())
+        self._batch = move_data_to_device(self._batch, pl_module.device)
+        if self._g0 is None:  # a resumed fit restored g0 and θ0 from the checkpoint
+            self._theta0 = parameter_vector(pl_module, self.layout)
+            self._g0 = initial_gradient(pl_module, self._batch, self.layout)
+        if self.partner is not None and self.plane is None:
+            self.plane = self._plane_with_partner()
+        if self.plane is not None:
+            self._u, self._v = (
+                torch.from_numpy(np.array(w)).to(self._theta0) for w in (self.plane.u, self.plane.v)
+            )
+
+    def series(self) -> dict[str, dict[str, SeriesSpec]]:
+        if self.plane is None:
+            return {}
+        return {"plane": {"a": SeriesSpec(), "b": SeriesSpec(), "r": SeriesSpec()}}
+
+    def vectors(self) -> dict[str, SeriesSpec]:
+        size = (self.layout.size,)
+        vectors = {"g0": SeriesSpec(size)}
+        for name, array in self._batch_arrays():
+            vectors[name] = SeriesSpec(array.shape, str(array.dtype))
+        if self.plane is not None:
+            vectors.update(plane_u=SeriesSpec(size, "float64"), plane_v=SeriesSpec(size, "float64"))
+        return vectors
+
+    def initial_vectors(self) -> dict[str, np.ndarray]:
+        vectors = {"g0": self._g0.cpu().numpy(), **dict(self._batch_arrays())}
+        if self.plane is not None:
+            vectors.update(plane_u=self.plane.u, plane_v=self.plane.v)
+        return vectors
+
+    def is_due(self, step: int) -> bool:
+        return self.plane is not None and super().is_due(step)
+
+    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+        if trainer.is_global_zero:
+            self._row = self._coordinates()
+
+    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+        row, self._row = self._row, None
+        return {"plane": row} if row is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._g0 is None:
+            return {}
+        return {
+            "g0": self._g0.cpu(),
+            "theta0": self._theta0.cpu(),
+            "batch": move_data_to_device(self._batch, "cpu"),
+            "plane": None if self.plane is None else (self.plane.u, self.plane.v),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self._g0, self._theta0, self._batch = state["g0"], state["theta0"], state["batch"]
+            if state["plane"] is not None:
+                u, v = state["plane"]
+                self.plane = Plane(self._theta0.double().numpy(), u, v, kind="gradients")
+
+    def _coordinates(self) -> dict[str, torch.Tensor]:
+        displacement = flatten(self._params) - self._theta0
+        a, b = displacement @ self._u, displacement @ self._v
+        residual = displacement - a * self._u - b * self._v
+        return {"a": a, "b": b, "r": torch.linalg.vector_norm(residual)}
+
+    def _batch_arrays(self) -> list[tuple[str, np.ndarray]]:
+        leaves = _tensor_leaves(self._batch)
+        return [(f"probe_batch.{i}", t.detach().cpu().numpy()) for i, t in enumerate(leaves)]
+
+    def _plane_with_partner(self) -> Plane:
+        try:
+            partner = open_run(self.partner)
+        except RunFileError as error:
+            raise ValueError(f"GradientPlane partner: {error}") from None
+        if partner.attrs.get("theta0_sha256") != vector_hash(self._theta0):
+            raise ValueError(f"GradientPlane partner {self.partner} does not share this run's θ0")
+        g_partner = partner.vector("g0")
+        if g_partner is None:
+            raise ValueError(f"GradientPlane partner {self.partner} stores no initial gradient g0")
+        theta0 = self._theta0.double().cpu().numpy()
+        return plane_from_gradients(theta0, g_partner, self._g0.double().cpu().numpy())
+
+
+def initial_gradient(module: torch.nn.Module, batch: Any, layout: ParameterLayout) -> torch.Tensor:
+    """∇L(θ) on ``batch`` as a flat vector, leaving the module, RNG and ``.grad`` as they were.
+
+    Under an initialized process group every rank must call this; the result is the average of
+    the ranks' gradients, as data-parallel training would apply.
+    """
+    params = layout.parameters(module)
+    with side_effect_free(module):
+        gradient = flatten(torch.autograd.grad(module_loss(module, batch), params))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(gradient)
+        gradient /= dist.get_world_size()
+    return gradient
+
+
+def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
+    leaves: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, leaves.append)
+    return leaves
+
+
+def _sharded(trainer: pl.Trainer) -> bool:
+    return type(trainer.strategy).__name__ in ("FSDPStrategy", "DeepSpeedStrategy")

@@ -1,0 +1,133 @@
+"""Recording the initial gradient and plane coordinates, and `dynamics plane` on two runs."""
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from dynamics import open_run
+from dynamics.analysis.plane import plane_from_gradients
+from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
+from dynamics.experiments import TeacherStudentData, TeacherStudentModule
+from dynamics.loss_rule import module_loss
+from dynamics.params import ParameterLayout, parameter_vector
+from dynamics.rebuild import probe_batch, rebuild_module
+
+ARCH = dict(width=8, expansion=2, depth=2)
+
+
+def fit(quiet_trainer, path, probes, shift="none", steps=8):
+    module = TeacherStudentModule(**ARCH, shift=shift)
+    data = TeacherStudentData(**ARCH, batch_size=16)
+    quiet_trainer(max_steps=steps, callbacks=[DynamicsRecorder(path, probes)]).fit(module, data)
+    return module, data
+
+
+def test_g0_and_probe_batch_are_the_first_batch_and_its_gradient(tmp_path, quiet_trainer):
+    fit(quiet_trainer, tmp_path / "a.h5", [GradientPlane()])
+    run = open_run(tmp_path / "a.h5")
+    first = next(iter(TeacherStudentData(**ARCH, batch_size=16).train_dataloader()))
+    batch = probe_batch(run)
+    assert all(torch.equal(s, f) for s, f in zip(batch, first))
+    reference = TeacherStudentModule(**ARCH)
+    loss = module_loss(reference, first)
+    grads = torch.autograd.grad(loss, [p for p in reference.parameters()])
+    np.testing.assert_allclose(
+        run.vector("g0"), torch.cat([g.reshape(-1) for g in grads]).numpy(), rtol=1e-6
+    )
+    assert "plane" not in run.groups  # no plane known: g0 and the batch only
+
+
+def test_partner_plane_coordinates_decompose_the_displacement(tmp_path, quiet_trainer):
+    fit(quiet_trainer, tmp_path / "a.h5", [GradientPlane()])
+    probes = [GradientPlane(partner=tmp_path / "a.h5"), ParameterDisplacement()]
+    fit(quiet_trainer, tmp_path / "b.h5", probes, shift="expected", steps=12)
+    a, b = open_run(tmp_path / "a.h5"), open_run(tmp_path / "b.h5")
+    expected = plane_from_gradients(b.vector("theta0"), a.vector("g0"), b.vector("g0"))
+    np.testing.assert_allclose(b.vector("plane_u"), expected.u, atol=1e-12)
+    np.testing.assert_allclose(b.vector("plane_v"), expected.v, atol=1e-12)
+    plane, total = b.series("plane"), b.series("displacement")["total"]
+    assert plane["a"][0] == plane["b"][0] == plane["r"][0] == 0
+    squares = plane["a"] ** 2 + plane["b"] ** 2 + plane["r"] ** 2
+    np.testing.assert_allclose(squares[1:], total[1:] ** 2, rtol=1e-5)
+
+
+def test_partner_with_another_theta0_is_refused(tmp_path, quiet_trainer):
+    fit(quiet_trainer, tmp_path / "a.h5", [GradientPlane()])
+    other = TeacherStudentModule(**ARCH, seed=5)
+    recorder = DynamicsRecorder(tmp_path / "b.h5", [GradientPlane(partner=tmp_path / "a.h5")])
+    with pytest.raises(ValueError, match="does not share"):
+        quiet_trainer(max_steps=2, callbacks=[recorder]).fit(
+            other, TeacherStudentData(**ARCH, batch_size=16)
+        )
+
+
+def test_recording_the_plane_never_perturbs_training(tmp_path, small_cnn, quiet_trainer):
+    def train(callbacks):
+        torch.manual_seed(3)
+        model = small_cnn()
+        quiet_trainer(max_epochs=2, callbacks=callbacks, deterministic=True).fit(model)
+        return parameter_vector(model), [b.clone() for b in model.buffers()]
+
+    plain = train([])
+    recorded = train([DynamicsRecorder(tmp_path / "p.h5", [GradientPlane()])])
+    assert torch.equal(plain[0], recorded[0])
+    assert all(torch.equal(x, y) for x, y in zip(plain[1], recorded[1]))
+
+
+def test_dynamics_run_gives_both_students_the_same_plane_from_step_zero(demo):
+    folder, _ = demo
+    runs = [open_run(folder / "runs" / f"{v}.h5") for v in ("unshifted", "shifted")]
+    np.testing.assert_array_equal(runs[0].vector("plane_u"), runs[1].vector("plane_u"))
+    np.testing.assert_array_equal(runs[0].vector("plane_v"), runs[1].vector("plane_v"))
+    for run in runs:
+        np.testing.assert_array_equal(run.series("plane").step, np.arange(30))
+
+
+def test_plane_command_writes_views_matching_direct_losses(demo, dynamics, tmp_path):
+    folder, _ = demo
+    runs = [folder / "runs" / f"{v}.h5" for v in ("unshifted", "shifted")]
+    out = tmp_path / "plane.html"
+    result = dynamics("plane", *runs, "-o", out, "--grid", "5", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "in-plane share of ‖θT − θ0‖², shifted" in result.stdout
+    assert out.stat().st_size > 100_000 and "plotly" in out.read_text()[:5_000_000]
+    run = open_run(runs[1])
+    module = rebuild_module(run)
+    layout = ParameterLayout.of(module)
+    batch = probe_batch(run)
+    with h5py.File(tmp_path / "plane.h5") as views:
+        view = views["view1"]  # the initial-gradient plane under the shifted student's loss
+        assert view.attrs["run"] == "shifted"
+        alphas, betas, losses = view["alphas"][:], view["betas"][:], view["losses"][:]
+        u, v = view["u"][:], view["v"][:]
+        assert abs(u @ v) < 1e-6 and abs(u @ u - 1) < 1e-6
+        theta0 = run.vector("theta0").astype(np.float64)
+        for i, j in [(0, 0), (4, 1), (2, 3)]:
+            theta = torch.from_numpy((theta0 + alphas[j] * u + betas[i] * v).astype(np.float32))
+            for p, chunk in zip(layout.parameters(module), layout.split(theta)):
+                p.data.copy_(chunk)
+            with torch.no_grad():
+                direct = module_loss(module.eval(), batch).item()
+            assert losses[i, j] == pytest.approx(direct, rel=1e-5)
+        out_of_plane = views["view3"]
+        w = out_of_plane["v"][:]
+        assert abs(w @ u) < 1e-6 and abs(w @ v) < 1e-6 and abs(w @ w - 1) < 1e-6
+
+
+def test_plane_command_bad_input(demo, dynamics, one_line_error, tmp_path, quiet_trainer):
+    folder, _ = demo
+    good = folder / "runs" / "shifted.h5"
+    fit(quiet_trainer, tmp_path / "other.h5", [GradientPlane()])  # another θ0 (other width)
+    cases = [
+        [good, tmp_path / "other.h5", "-o", tmp_path / "x.html"],
+        [good, folder / "runs" / "unshifted.h5", "-o", tmp_path / "x.html", "--grid", "1"],
+        [good, tmp_path / "missing.h5", "-o", tmp_path / "x.html"],
+        [good, folder / "runs" / "unshifted.h5", "-o", tmp_path / "nodir" / "x.html"],
+    ]
+    for args in cases:
+        one_line_error(dynamics("plane", *args))
+    existing = tmp_path / "keep.html"
+    existing.write_text("mine")
+    one_line_error(dynamics("plane", good, folder / "runs" / "unshifted.h5", "-o", existing))
+    assert existing.read_text() == "mine"
