@@ -27,8 +27,8 @@ from dynamics.store import RunWriter
 class DynamicsRecorder(Callback):
     """Records what its probes measure into one HDF5 run file, without changing the training.
 
-    The recorder owns the file (created at fit start, on global rank zero only, refused if it
-    exists unless ``overwrite``), the per-probe schedules, block writes and bounded-interval
+    The recorder owns the file (created at the first training batch, on global rank zero only,
+    refused if it exists unless ``overwrite``), the per-probe schedules, block writes and bounded-interval
     flushes, and the checkpoint state that lets ``Trainer.fit(ckpt_path=...)`` continue the same
     file: rows recorded after the checkpoint's step are dropped first, so a resumed run's series
     equal an uninterrupted run's. Probes run on every rank (some need collectives); only rank
