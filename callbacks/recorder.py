@@ -28,10 +28,10 @@ class DynamicsRecorder(Callback):
     """Records what its probes measure into one HDF5 run file, without changing the training.
 
     The recorder owns the file (created at the first training batch, on global rank zero only,
-    refused if it exists unless ``overwrite``), the per-probe schedules, block writes and bounded-interval
-    flushes, and the checkpoint state that lets ``Trainer.fit(ckpt_path=...)`` continue the same
-    file: rows recorded after the checkpoint's step are dropped first, so a resumed run's series
-    equal an uninterrupted run's. Probes run on every rank (some need collectives); only rank
+    refused if it exists unless ``overwrite``), the per-probe schedules, block writes and
+    bounded-interval flushes, and the checkpoint state that lets ``Trainer.fit(ckpt_path=...)``
+    continue the same file: rows recorded after the checkpoint's step are dropped first, so a
+    resumed run's series equal an uninterrupted run's. Probes run on every rank (some need collectives); only rank
     zero writes.
 
     A step's rows describe the parameters θ_step its forward used: probes are armed before the
