@@ -20,7 +20,9 @@ $(BIN)/.installed: pyproject.toml
 
 demo: $(BIN)/.installed
 	$(BIN)/dynamics run configs/teacher_student.yaml --out $(DEMO_OUT) --overwrite
-	@echo "Run files: $(DEMO_OUT)/unshifted.h5 $(DEMO_OUT)/shifted.h5 (inspect with: $(BIN)/dynamics info $(DEMO_OUT)/shifted.h5)"
+	$(BIN)/dynamics plane $(DEMO_OUT)/unshifted.h5 $(DEMO_OUT)/shifted.h5 -o $(DEMO_OUT)/plane.html --overwrite --no-progress
+	$(BIN)/dynamics compare $(DEMO_OUT)/unshifted.h5 $(DEMO_OUT)/shifted.h5 -o $(DEMO_OUT)/compare.html --overwrite
+	@echo "Results: $(DEMO_OUT)/compare.html (side by side), $(DEMO_OUT)/plane.html (gradient plane), run files $(DEMO_OUT)/*.h5"
 
 test: $(BIN)/.installed
 	$(BIN)/pytest

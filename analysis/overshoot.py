@@ -44,7 +44,8 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
-from sklearn.isotonic import IsotonicRegression
+
+from dynamics.analysis.smoothing import moving_average
 
 __all__ = [
     "LayerOvershoot",
@@ -361,18 +362,6 @@ def _half_width(n: int, thresholds: OvershootThresholds) -> int:
     return max(1, round(thresholds.smooth_fraction * n))
 
 
-def _smooth(x: np.ndarray, h: int) -> np.ndarray:
-    """Centred moving average over ``2h + 1`` records, truncated at the ends."""
-    n = x.size
-    # Centre before the cumulative sum so long series with a large offset keep their precision.
-    offset = np.median(x)
-    csum = np.concatenate(([0.0], np.cumsum(x - offset)))
-    idx = np.arange(n)
-    lo = np.maximum(idx - h, 0)
-    hi = np.minimum(idx + h + 1, n)
-    return (csum[hi] - csum[lo]) / (hi - lo) + offset
-
-
 def _smoothed_noise(x: np.ndarray, s: np.ndarray, h: int) -> float:
     """Standard deviation of the noise left in ``s``, the ``h``-smoothing of ``x`` (module doc)."""
     w = 2 * h + 1
@@ -386,6 +375,10 @@ def _smoothed_noise(x: np.ndarray, s: np.ndarray, h: int) -> float:
 
 def _nonmonotonicity(s: np.ndarray) -> float:
     """RMS residual of the best monotone (isotonic) fit, over the series' range."""
+    # Imported here: scikit-learn takes seconds to load, and every offline command imports this
+    # module (dynamics.analysis) whether or not it detects overshoots.
+    from sklearn.isotonic import IsotonicRegression
+
     idx = np.arange(s.size, dtype=float)
     rms = min(
         math.sqrt(
@@ -425,10 +418,10 @@ def _loss_window(
     if n < thresholds.min_points:
         return missing(f"only {n} finite loss values; at least {thresholds.min_points} needed")
     h = _half_width(n, thresholds)
-    curve = _smooth(np.log(y) if scale == "log" else y, h)
+    curve = moving_average(np.log(y) if scale == "log" else y, h)
     # Differentiation amplifies what noise one pass left; a second pass on the slope
     # keeps the half-maximum window contiguous instead of fragmenting at its edges.
-    slope = _smooth(np.gradient(curve, t.astype(float)), h)
+    slope = moving_average(np.gradient(curve, t.astype(float)), h)
     k = int(np.argmin(slope))
     if slope[k] >= 0:
         return missing("the smoothed loss never decreases")
@@ -491,7 +484,7 @@ def _judge_layer(
         return undefined("constant", "the series is constant")
 
     h = _half_width(n, thresholds)
-    s = _smooth(x, h)
+    s = moving_average(x, h)
     p = int(np.argmax(s))
     peak = float(s[p])
     start = float(np.median(x[: h + 1]))

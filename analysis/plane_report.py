@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dynamics.analysis.output import write_atomically
 from dynamics.analysis.plane_views import PlaneView
-from dynamics.errors import DynamicsError
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
@@ -128,17 +126,12 @@ def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
     return figure
 
 
-def write_plane_html(views: list[PlaneView], out: Path, overwrite: bool = False) -> None:
-    """A self-contained HTML page (plotly.js embedded) of ``views``; written atomically.
+def write_plane_html(views: list[PlaneView], out: Path) -> None:
+    """A self-contained HTML page (plotly.js embedded) of ``views``, written atomically.
 
-    Raises:
-        DynamicsError: ``out`` exists without ``overwrite``, or its folder is missing.
+    The caller checks ``out`` first (:func:`dynamics.analysis.output.check_output`), before the
+    grids are computed.
     """
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise DynamicsError(f"{out} exists; pass --overwrite to replace it")
-    if not out.parent.is_dir():
-        raise DynamicsError(f"output folder {out.parent} does not exist")
     notes = {k: v for view in views for k, v in view.notes.items()}
     rows = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{v:.4f}</td></tr>" for k, v in sorted(notes.items())
@@ -154,7 +147,4 @@ def write_plane_html(views: list[PlaneView], out: Path, overwrite: bool = False)
         ]
     )
     page = "<!DOCTYPE html><html><head><meta charset='utf-8'><title>plane views</title></head>"
-    page += f"<body>{body}</body></html>"
-    with tempfile.NamedTemporaryFile("w", dir=out.parent, suffix=".tmp", delete=False) as tmp:
-        tmp.write(page)
-    os.replace(tmp.name, out)
+    write_atomically(Path(out), f"{page}<body>{body}</body></html>")

@@ -31,8 +31,8 @@ class DynamicsRecorder(Callback):
     refused if it exists unless ``overwrite``), the per-probe schedules, block writes and
     bounded-interval flushes, and the checkpoint state that lets ``Trainer.fit(ckpt_path=...)``
     continue the same file: rows recorded after the checkpoint's step are dropped first, so a
-    resumed run's series equal an uninterrupted run's. Probes run on every rank (some need collectives); only rank
-    zero writes.
+    resumed run's series equal an uninterrupted run's. Probes run on every rank (some need
+    collectives); only rank zero writes.
 
     A step's rows describe the parameters θ_step its forward used: probes are armed before the
     first micro-batch of a due step and collected after its optimizer step.

@@ -102,7 +102,9 @@ def _html_output_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="also export each figure into DIR (needs kaleido and a Chromium)",
     )
-    parser.add_argument("--static-format", choices=("png", "svg"), default="png")
+    parser.add_argument(
+        "--static-format", choices=("png", "svg"), default="png", help="default: png"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -151,18 +153,16 @@ def _info(args: argparse.Namespace) -> int:
 
 def _plane(args: argparse.Namespace) -> int:
     from dynamics.analysis.landscape import LossSurface
+    from dynamics.analysis.output import check_output
     from dynamics.analysis.plane_report import write_plane_html
     from dynamics.analysis.plane_views import plane_views, save_views
     from dynamics.rebuild import probe_batch, rebuild_module
     from dynamics.store import open_run
 
-    results = args.output.with_suffix(".h5")
-    for path in (args.output, results):
-        if path.exists() and not args.overwrite:
-            raise DynamicsError(f"{path} exists; pass --overwrite to replace it")
-    if not args.output.parent.is_dir():
-        raise DynamicsError(f"output folder {args.output.parent} does not exist")
-    runs = [open_run(args.run_a), open_run(args.run_b)]
+    inputs = (args.run_a, args.run_b)
+    output = check_output(args.output, args.overwrite, inputs)
+    results = check_output(output.with_suffix(".h5"), args.overwrite, inputs)
+    runs = [open_run(path) for path in inputs]
     if runs[0].name == runs[1].name:
         raise DynamicsError("the two runs need different names (file stems or run_name)")
     surfaces = {}
@@ -170,7 +170,7 @@ def _plane(args: argparse.Namespace) -> int:
         module = rebuild_module(run)
         surfaces[run.name] = LossSurface(module, run.layout, probe_batch(run))
     views = plane_views(*runs, surfaces, args.grid, args.span, progress=not args.no_progress)
-    write_plane_html(views, args.output, overwrite=args.overwrite)
+    write_plane_html(views, output)
     save_views(views, results)
     notes = {note: value for view in views for note, value in view.notes.items()}
     for note, value in notes.items():

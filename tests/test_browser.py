@@ -1,0 +1,265 @@
+"""The report and the comparison in a real browser: headless Chromium opens them from file://.
+
+Chromium is driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``), so the
+test needs no driver, no browser download and no network port. It records JavaScript
+exceptions, console errors, log errors and every request the page makes, waits until plotly has
+drawn, then checks each figure: an SVG plot whose traces were all drawn with data.
+
+Locally the test skips when no Chromium is installed; under CI (``CI`` set) it fails instead,
+because .ci/run installs Debian's ``chromium``.
+"""
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dynamics.analysis.compare import write_comparison
+from dynamics.analysis.report import write_report
+from dynamics.store import RunWriter, SeriesSpec
+
+CHROMIUM = next(
+    filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None
+)
+if CHROMIUM is None and os.environ.get("CI"):
+    pytest.fail("CI must install Debian's chromium for the browser test", pytrace=False)
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium found (apt-get install chromium; CI installs it)"
+)
+
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--remote-debugging-pipe",
+)
+#: For every plotly figure: is it an SVG plot, how many traces it holds, how many of them were
+#: drawn, and how many were drawn with at least one point or line segment.
+PLOTS = """JSON.stringify([...document.querySelectorAll('.plotly-graph-div')].map(d => {
+  const traces = [...d.querySelectorAll('.scatterlayer .trace')];
+  const line = t => [...t.querySelectorAll('path.js-line')]
+    .some(p => (p.getAttribute('d') || '').length > 1);
+  const drawn = t => line(t) || t.querySelectorAll('.point').length > 0;
+  return {
+    id: d.id,
+    svg: d.classList.contains('js-plotly-plot') && !!d.querySelector('svg.main-svg'),
+    traces: (d._fullData || []).length,
+    drawn: traces.length,
+    with_data: traces.filter(drawn).length,
+  };
+}))"""
+LOCAL_SCHEMES = ("file:", "data:", "blob:", "about:")
+
+
+class DevTools:
+    """A headless Chromium and one DevTools connection to it over fds 3 and 4."""
+
+    def __init__(self, profile: Path) -> None:
+        commands_read, self._commands = os.pipe()
+        self._replies, replies_write = os.pipe()
+
+        def on_fds_3_and_4() -> None:
+            os.dup2(commands_read, 3)
+            os.dup2(replies_write, 4)
+
+        self.process = subprocess.Popen(
+            [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            pass_fds=(3, 4, commands_read, replies_write),
+            preexec_fn=on_fds_3_and_4,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(commands_read)
+        os.close(replies_write)
+        self._buffer = b""
+        self._id = 0
+        self.events: list[dict] = []
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
+        self._id += 1
+        message = {"id": self._id, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        while True:
+            reply = self._receive(time.monotonic() + 60)
+            if reply.get("id") == self._id:
+                assert "error" not in reply, reply["error"]
+                return reply["result"]
+            self.events.append(reply)
+
+    def open(self, url: str) -> str:
+        """A new tab at ``url``, loaded; returns its session."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})
+        session = session["sessionId"]
+        for domain in ("Runtime", "Log", "Network", "Page"):
+            self.call(f"{domain}.enable", session=session)
+        self.call("Page.navigate", {"url": url}, session=session)
+        deadline = time.monotonic() + 60
+        while not self._seen("Page.loadEventFired", session):
+            self.events.append(self._receive(deadline))
+        return session
+
+    def evaluate(self, expression: str, session: str):
+        result = self.call(
+            "Runtime.evaluate", {"expression": expression, "returnByValue": True}, session
+        )
+        return result["result"].get("value")
+
+    def errors(self, session: str) -> list[str]:
+        found = []
+        for event in self._of(session):
+            params = event["params"]
+            if event["method"] == "Runtime.exceptionThrown":
+                details = params["exceptionDetails"]
+                found.append(details.get("exception", {}).get("description") or details["text"])
+            elif event["method"] == "Runtime.consoleAPICalled" and params["type"] in (
+                "error",
+                "assert",
+            ):
+                found.append(" ".join(str(a.get("value")) for a in params["args"]))
+            elif event["method"] == "Log.entryAdded" and params["entry"]["level"] == "error":
+                found.append(params["entry"]["text"])
+        return found
+
+    def requests(self, session: str) -> list[str]:
+        return [
+            e["params"]["request"]["url"]
+            for e in self._of(session)
+            if e["method"] == "Network.requestWillBeSent"
+        ]
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close")
+            self.process.wait(timeout=20)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+            os.close(self._commands)
+            os.close(self._replies)
+
+    def _of(self, session: str) -> list[dict]:
+        return [e for e in self.events if e.get("sessionId") == session and "method" in e]
+
+    def _seen(self, method: str, session: str) -> bool:
+        return any(e["method"] == method for e in self._of(session))
+
+    def _receive(self, deadline: float) -> dict:
+        while b"\0" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([self._replies], [], [], max(0.0, remaining))
+            if not ready:
+                raise TimeoutError("Chromium did not answer in time")
+            chunk = os.read(self._replies, 1 << 16)
+            if not chunk:
+                raise RuntimeError("Chromium closed the DevTools pipe")
+            self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(message)
+
+
+def rendered(
+    devtools: DevTools, path: Path, wait_s: float = 30.0
+) -> tuple[list[dict], list[str], list[str]]:
+    """Open ``path``; wait until every figure is drawn (or ``wait_s``); plots, errors, requests."""
+    session = devtools.open(path.resolve().as_uri())
+    deadline = time.monotonic() + wait_s
+    plots = json.loads(devtools.evaluate(PLOTS, session))
+    while not all(p["svg"] and p["drawn"] == p["traces"] for p in plots):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+        plots = json.loads(devtools.evaluate(PLOTS, session))
+    external = [u for u in devtools.requests(session) if not u.startswith(LOCAL_SCHEMES)]
+    return plots, devtools.errors(session), external
+
+
+def write_run(path: Path, eigen_scale: float, lag: float) -> Path:
+    """A run with every group a report draws (hessian and plane included)."""
+    t = np.arange(600)
+    layers = ("blocks.0", "blocks.1")
+    norms = np.stack([10 + 3 * np.exp(-(((t - 150) / 50) ** 2)), 10 + (1 - np.exp(-t / 90))], 1)
+    rows = {
+        "loss": (t, {"train": np.exp(-t / (80 * lag)) + 0.1}),
+        "validation": (t[::50], {"val_loss": np.exp(-t[::50] / (80 * lag)) + 0.1 / lag}),
+        "hidden_norms": (t, {"norm": norms}),
+        "activation_bias": (t, {"mean": np.stack([0.4 - t / 6000] * 2, 1)}),
+        "displacement": (t, {"total": np.sqrt(t), "update": 1 / (1 + t)}),
+        "hessian": (t[::25], {"eigenvalues": eigen_scale * np.outer(1 + t[::25] / 600, [5, 2])}),
+        "plane": (t, {"a": t / 600, "b": np.sin(t / 100) / 10, "r": t / 6000}),
+    }
+    specs = {
+        "loss": {"train": SeriesSpec()},
+        "validation": {"val_loss": SeriesSpec()},
+        "hidden_norms": {"norm": SeriesSpec((2,), columns=layers)},
+        "activation_bias": {"mean": SeriesSpec((2,), columns=layers)},
+        "displacement": {"total": SeriesSpec(), "update": SeriesSpec()},
+        "hessian": {"eigenvalues": SeriesSpec((2,), columns=("lambda_1", "lambda_2"))},
+        "plane": {"a": SeriesSpec(), "b": SeriesSpec(), "r": SeriesSpec()},
+    }
+    attrs = {"config": {"variant": path.stem}, "theta0_sha256": "0" * 64}
+    writer = RunWriter.create(path, specs, {}, attrs, block_rows=4096)
+    for group, (steps, values) in rows.items():
+        for i, step in enumerate(steps):
+            writer.append(group, int(step), {k: v[i] for k, v in values.items()})
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pages")
+    runs = [write_run(folder / "fast.h5", 1.0, 1.0), write_run(folder / "slow.h5", 0.1, 1.5)]
+    report = write_report(runs, folder / "report.html")
+    comparison = write_comparison(runs, folder / "compare.html")
+    (folder / "broken.html").write_text(
+        "<div class='plotly-graph-div' id='never-drawn'></div>"
+        "<img src='http://127.0.0.1:9/missing.png'><script>undefinedFunction()</script>"
+    )
+    devtools = DevTools(folder / "profile")
+    yield devtools, folder, {"report": report.figures, "compare": comparison.figures}
+    devtools.close()
+
+
+@pytest.mark.parametrize("page", ["report", "compare"])
+def test_every_figure_renders_offline_without_errors(pages, page):
+    devtools, folder, figures = pages
+    plots, errors, external = rendered(devtools, folder / f"{page}.html")
+    assert errors == []
+    assert external == []  # opens offline: nothing but the file itself is fetched
+    assert len(plots) == figures[page] and figures[page] >= 8
+    for plot in plots:
+        assert plot["svg"] and plot["traces"] > 0, plot
+        assert plot["drawn"] == plot["traces"] and plot["with_data"] == plot["traces"], plot
+
+
+def test_the_harness_sees_errors_undrawn_plots_and_requests(pages):
+    devtools, folder, _ = pages
+    plots, errors, external = rendered(devtools, folder / "broken.html", wait_s=1)
+    assert plots == [{"id": "never-drawn", "svg": False, "traces": 0, "drawn": 0, "with_data": 0}]
+    assert any("undefinedFunction" in error for error in errors)
+    assert external == ["http://127.0.0.1:9/missing.png"]
+
+
+def test_static_export_of_each_figure(tmp_path):
+    pytest.importorskip("kaleido", reason="static export needs kaleido (pip install kaleido)")
+    run = write_run(tmp_path / "run.h5", 1.0, 1.0)
+    written = write_report(
+        [run], tmp_path / "r.html", static_dir=tmp_path / "svg", static_format="svg"
+    )
+    assert written.static_skipped is None, written.static_skipped
+    assert len(written.static_files) == written.figures
+    assert all(f.read_text().lstrip().startswith("<svg") for f in written.static_files)
