@@ -117,17 +117,32 @@ def test_plane_command_writes_views_matching_direct_losses(demo, dynamics, tmp_p
 
 def test_plane_command_bad_input(demo, dynamics, one_line_error, tmp_path, quiet_trainer):
     folder, _ = demo
-    good = folder / "runs" / "shifted.h5"
-    fit(quiet_trainer, tmp_path / "other.h5", [GradientPlane()])  # another θ0 (other width)
-    cases = [
-        [good, tmp_path / "other.h5", "-o", tmp_path / "x.html"],
-        [good, folder / "runs" / "unshifted.h5", "-o", tmp_path / "x.html", "--grid", "1"],
-        [good, tmp_path / "missing.h5", "-o", tmp_path / "x.html"],
-        [good, folder / "runs" / "unshifted.h5", "-o", tmp_path / "nodir" / "x.html"],
-    ]
-    for args in cases:
-        one_line_error(dynamics("plane", *args))
+    good, partner = folder / "runs" / "shifted.h5", folder / "runs" / "unshifted.h5"
+    data = TeacherStudentData(**ARCH, batch_size=16)
+    recordings = {  # same architecture and seed as the demo's students, unless said otherwise
+        "other_theta0": (7, [GradientPlane(), ParameterDisplacement()]),
+        "no_snapshots": (0, [GradientPlane(), ParameterDisplacement(snapshot_budget_mb=0)]),
+        "no_g0": (0, [ParameterDisplacement()]),
+    }
+    for name, (seed, probes) in recordings.items():
+        recorder = DynamicsRecorder(tmp_path / f"{name}.h5", probes)
+        module = TeacherStudentModule(**ARCH, seed=seed)
+        quiet_trainer(max_steps=3, callbacks=[recorder]).fit(module, data)
+    out = ["-o", tmp_path / "x.html"]
+    cases = {
+        "do not share θ0": [good, tmp_path / "other_theta0.h5", *out],
+        "no parameter snapshots": [good, tmp_path / "no_snapshots.h5", *out],
+        "record with GradientPlane": [good, tmp_path / "no_g0.h5", *out],
+        "at least 2": [good, partner, *out, "--grid", "1"],
+        "no such file": [good, tmp_path / "missing.h5", *out],
+        "does not exist": [good, partner, "-o", tmp_path / "nodir" / "x.html"],
+    }
+    for message, args in cases.items():
+        result = dynamics("plane", *args)
+        one_line_error(result)
+        assert message in result.stderr, result.stderr
+    assert not (tmp_path / "x.html").exists()
     existing = tmp_path / "keep.html"
     existing.write_text("mine")
-    one_line_error(dynamics("plane", good, folder / "runs" / "unshifted.h5", "-o", existing))
+    one_line_error(dynamics("plane", good, partner, "-o", existing))
     assert existing.read_text() == "mine"
