@@ -12,6 +12,7 @@ from torch import nn
 
 from dynamics.activations import ACTIVATIONS, ShiftedActivation
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.isolation import in_extra_pass
 
 #: Module types whose output is a post-activation, for the activation-bias series.
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
@@ -107,7 +108,7 @@ class HiddenStateNorms(Probe):
 
     def _norm_hook(self, layer: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._armed:
+            if self._armed and not in_extra_pass():  # not a probe's own extra forward
                 # Detached device tensors only: no .item(), so no host sync in the hot path.
                 hidden = _first_tensor(output).detach()
                 norms = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
@@ -117,7 +118,7 @@ class HiddenStateNorms(Probe):
 
     def _bias_hook(self, layer: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._armed:
+            if self._armed and not in_extra_pass():  # not a probe's own extra forward
                 self._biases[layer].append(_first_tensor(output).detach().mean(dtype=torch.float32))
 
         return hook
@@ -168,4 +169,5 @@ def _means(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torc
     # Rows stay on the device; the writer copies a whole block to the host at once.
     device = next((v[0].device for v in values.values() if v), torch.device("cpu"))
     nan = torch.full((), float("nan"), device=device)
-    return torch.stack([torch.stack(values[k]).mean() if values[k] else nan for k in layers])
+    # sum/len rather than stack+mean: one op for the usual single call per step.
+    return torch.stack([sum(values[k]) / len(values[k]) if values[k] else nan for k in layers])

@@ -115,11 +115,12 @@ WRITER = textwrap.dedent(
     import sys, numpy as np
     from dynamics.store import RunWriter, SeriesSpec
     writer = RunWriter.create(sys.argv[1], {"loss": {"train": SeriesSpec((64,))}}, {}, {},
-                              block_rows=7, flush_interval_s=1e9)
+                              block_rows=5, flush_interval_s=1e9)
     step = 0
-    while True:
+    while True:  # blocks of 5 rows are written as they fill, the file flushed every 7 rows
         writer.append("loss", step, {"train": np.full(64, step, dtype=np.float32)})
-        if step % 7 == 6:  # a block was just written and flushed
+        if step % 7 == 6:
+            writer.flush()
             print(step, flush=True)
         step += 1
     """

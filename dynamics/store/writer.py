@@ -41,10 +41,14 @@ class RunWriter:
 
     Args:
         file: an open ``h5py.File`` already laid out (internal; use the constructors).
-        block_rows: buffered rows per group that trigger a write.
-        block_bytes: buffered bytes (all groups) that trigger a write, so large rows such as
+        block_rows: buffered rows of a group that trigger writing that group.
+        block_bytes: buffered bytes of a group that trigger writing it, so large rows such as
             parameter snapshots never pile up in memory.
-        flush_interval_s: longest time buffered rows wait before they are written and flushed.
+        flush_interval_s: longest time rows wait before everything is written and flushed.
+
+    Writing a group's block and flushing the file are separate: blocks are written when they
+    fill, the file is flushed (made durable for readers, every group written) once per interval.
+    Flushing after every block would cost a metadata write of every dataset each time.
     """
 
     def __init__(
@@ -58,9 +62,14 @@ class RunWriter:
         self._file.swmr_mode = True
         self.block_rows = block_rows
         self.block_bytes = block_bytes
-        self._pending_bytes = 0
         self.flush_interval_s = flush_interval_s
         self._pending: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+        self._pending_bytes: dict[str, int] = {}
+        # Dataset handles once: looking them up through h5py per block costs more than writing.
+        self._groups = {
+            name: (group[STEP], {n: d for n, d in group.items() if n != STEP})
+            for name, group in file.get(SERIES, {}).items()
+        }
         self._last_flush = time.monotonic()
 
     @property
@@ -150,14 +159,16 @@ class RunWriter:
 
     def append(self, group: str, step: int, values: Mapping[str, Any]) -> None:
         """Buffer one row of ``group`` (every series of the group, as tensors or arrays)."""
-        self._pending.setdefault(group, []).append((step, values))
-        self._pending_bytes += sum(getattr(v, "nbytes", 8) for v in values.values())
-        if (
-            len(self._pending[group]) >= self.block_rows
-            or self._pending_bytes >= self.block_bytes
-            or self._interval_elapsed()
-        ):
+        rows = self._pending.setdefault(group, [])
+        rows.append((step, values))
+        size = self._pending_bytes.get(group, 0) + sum(
+            getattr(v, "nbytes", 8) for v in values.values()
+        )
+        self._pending_bytes[group] = size
+        if self._interval_elapsed():
             self.flush()
+        elif len(rows) >= self.block_rows or size >= self.block_bytes:
+            self._write(group)
 
     def write_vector(self, name: str, value: Any) -> None:
         """Fill a declared vector (θ0, θ_T, ...) and flush it to disk at once."""
@@ -166,13 +177,16 @@ class RunWriter:
 
     def flush(self) -> None:
         """Write every buffered row and make it durable for readers."""
-        for group, rows in self._pending.items():
-            if rows:
-                _append_rows(self._file[SERIES][group], rows)
-        self._pending = {}
-        self._pending_bytes = 0
+        for group in list(self._pending):
+            self._write(group)
         self._file.flush()
         self._last_flush = time.monotonic()
+
+    def _write(self, group: str) -> None:
+        rows = self._pending.pop(group, [])
+        self._pending_bytes.pop(group, None)
+        if rows:
+            _append_rows(*self._groups[group], rows)
 
     def close(self) -> None:
         if self._file.id.valid:
@@ -207,19 +221,21 @@ def _unfilled(dtype: str) -> float | int:
     return np.nan if np.dtype(dtype).kind in "fc" else 0
 
 
-def _append_rows(group: h5py.Group, rows: list[tuple[int, Mapping[str, Any]]]) -> None:
-    start = group[STEP].shape[0]
+def _append_rows(
+    steps: h5py.Dataset,
+    datasets: Mapping[str, h5py.Dataset],
+    rows: list[tuple[int, Mapping[str, Any]]],
+) -> None:
+    start = steps.shape[0]
     stop = start + len(rows)
     # Values before steps: a reader that sees a step sees its values (SWMR keeps write order
     # per dataset, and a step row that never arrived reads as UNWRITTEN_STEP).
-    for name, dataset in group.items():
-        if name == STEP:
-            continue
+    for name, dataset in datasets.items():
         block = _stack([values[name] for _, values in rows])
         dataset.resize(stop, axis=0)
         dataset[start:stop] = block
-    group[STEP].resize((stop,))
-    group[STEP][start:stop] = [step for step, _ in rows]
+    steps.resize((stop,))
+    steps[start:stop] = [step for step, _ in rows]
 
 
 def _rows_through(group: h5py.Group, through_step: int) -> int:
