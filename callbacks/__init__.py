@@ -1,6 +1,7 @@
 """Lightning glue: the recorder callback and its probes."""
 
 from dynamics.callbacks.gradient_plane import GradientPlane
+from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.logged_metrics import LoggedMetrics
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
@@ -11,6 +12,7 @@ from dynamics.callbacks.training_loss import TrainingLoss
 __all__ = [
     "DynamicsRecorder",
     "GradientPlane",
+    "HessianSpectrum",
     "HiddenStateNorms",
     "LoggedMetrics",
     "ParameterDisplacement",

@@ -29,7 +29,7 @@ class HessianSpectrum(Probe):
     At every due step the loss of the module on the probe batch — by the loss rule of
     :func:`~dynamics.loss_rule.module_loss`, so any LightningModule works unchanged — is
     differentiated twice and its top-k eigenvalues found by thick-restart Lanczos
-    (:func:`~dynamics.curvature.lanczos`), started from the previous recorded step's
+    (:func:`dynamics.curvature.lanczos`), started from the previous recorded step's
     eigenvectors. All of it runs inside :func:`~dynamics.isolation.side_effect_free` with
     autocast off and the parameters in float32 (float64 if the model is float64), whatever the
     training precision; the vector ``hessian_float_bits`` in the run file states which.
@@ -61,7 +61,7 @@ class HessianSpectrum(Probe):
         gradient_share: record the share of the gradient in the top-k eigenspace.
         density_runs: stochastic Lanczos quadrature runs per row (0: no density).
         density_steps: Lanczos steps per quadrature run.
-        batch: the probe batch; default: a copy of the first training batch recorded.
+        batch: the probe batch; default: a copy of the fit's first training batch.
         warm_start: start each row's Lanczos from the previous row's eigenvectors.
         seed: seed of the random start vectors (the global RNG is never used).
     """
@@ -103,7 +103,7 @@ class HessianSpectrum(Probe):
         self._ritz: torch.Tensor | None = None
         self._row: dict[str, Any] | None = None
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         if isinstance(trainer.strategy, _SHARDED):
             raise ValueError(
                 f"HessianSpectrum needs every rank to hold all parameters, but "
@@ -116,6 +116,8 @@ class HessianSpectrum(Probe):
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
         self._loss = _LossOf(pl_module)
         self._ritz = None
+        if self._batch is None:  # neither given nor restored from a checkpoint
+            self._batch = _detached_copy(batch)
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
@@ -145,8 +147,6 @@ class HessianSpectrum(Probe):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
     ) -> None:
         # Measured here, before the step's forward, so the row describes θ_step (the contract).
-        if self._batch is None:
-            self._batch = _detached_copy(batch)
         self._row = self.measure(pl_module, step)
 
     def on_step_end(
@@ -166,7 +166,7 @@ class HessianSpectrum(Probe):
         params = dict(pl_module.named_parameters())
         leaves = {n: params[n].detach().to(self.dtype).requires_grad_() for n in self._names}
         tensors = dict(leaves)
-        if any(p.dtype != self.dtype for p in leaves.values()):
+        if any(params[n].dtype != self.dtype for n in self._names):
             # Lower-precision weights (bf16/fp16 "true" precision) are upcast for the pass; the
             # buffers and the batch follow so that every op runs in float32.
             tensors |= {n: _upcast(b, self.dtype) for n, b in pl_module.named_buffers()}

@@ -2,10 +2,10 @@
 
 from dynamics.curvature.density import SpectralDensity, broadened_density, spectral_density
 from dynamics.curvature.eigenpairs import Eigenpairs
-from dynamics.curvature.lanczos import lanczos
 from dynamics.curvature.operator import HessianOperator, LinearOperator
 from dynamics.curvature.power import power_iteration
 from dynamics.curvature.pyhessian_backend import pyhessian_eigenpairs
+from dynamics.curvature.restarted_lanczos import lanczos
 from dynamics.curvature.trace import TraceEstimate, hutch_plus_plus, hutchinson
 
 __all__ = [

@@ -68,8 +68,8 @@ def spectral_density(
         while basis.m < steps and not (basis.m and basis.is_invariant()):
             basis.step()
         values, coordinates, _ = basis.ritz()
-        nodes[run, : basis.m] = values
-        weights[run, : basis.m] = coordinates[0] ** 2
+        nodes[run, : basis.m] = values.numpy()
+        weights[run, : basis.m] = coordinates[0].square().numpy()
         filled[run, : basis.m] = True
         n_hvp += basis.n_hvp
     live = nodes[filled]

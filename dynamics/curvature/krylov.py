@@ -1,15 +1,17 @@
 """An orthonormal Krylov basis grown one Hessian-vector product at a time.
 
-Shared by the top-k Lanczos solver and stochastic Lanczos quadrature. Each new direction is
-orthogonalised against the whole basis twice (classical Gram–Schmidt, "twice is enough"), which
-keeps the basis orthonormal to working precision: no ghost eigenvalues, at O(m·n) per step.
+Shared by the top-k Lanczos solver and stochastic Lanczos quadrature. Each product is reduced
+by the couplings Lanczos already knows (the three-term recurrence, or the arrowhead after a
+thick restart), then orthogonalised against the whole basis once more — twice when that pass
+removed much (Daniel–Gragg–Kaufman–Stewart) — which keeps the basis orthonormal to working
+precision: no ghost eigenvalues, at one pass over the basis per step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from dynamics.curvature.operator import LinearOperator
@@ -17,25 +19,28 @@ from dynamics.curvature.operator import LinearOperator
 
 def random_vectors(
     count: int, operator: LinearOperator, seed: int, *, rademacher: bool = False
-) -> torch.Tensor:
-    """``count`` Gaussian (or ±1) rows of length ``operator.size``, from a private generator.
+) -> Iterator[torch.Tensor]:
+    """``count`` Gaussian (or ±1) vectors of length ``operator.size``, one at a time (a block
+    of them can outweigh the model), from a private generator.
 
     The global RNG is never touched, and every rank of a data-parallel run draws the same
     vectors, so their Lanczos iterations stay in lockstep.
     """
     generator = torch.Generator().manual_seed(seed)
-    if rademacher:
-        draws = torch.randint(0, 2, (count, operator.size), generator=generator) * 2 - 1
-    else:
-        draws = torch.randn(count, operator.size, generator=generator, dtype=torch.float64)
-    return draws.to(operator.dtype).to(operator.device)
+    for _ in range(count):
+        if rademacher:
+            draw = torch.randint(0, 2, (operator.size,), generator=generator) * 2 - 1
+        else:
+            draw = torch.randn(operator.size, generator=generator, dtype=torch.float64)
+        yield draw.to(operator.dtype).to(operator.device)
 
 
 class KrylovBasis:
     """Orthonormal rows ``Q[:m]`` with the projected matrix ``T = Q H Qᵀ`` and a residual ``r``.
 
     Invariant after every :meth:`step`: ``H Qᵀ = Qᵀ T + r e_mᵀ`` with ``r ⟂ Q``, so the residual
-    of a Ritz pair ``(θ_i, Qᵀ s_i)`` is exactly ``‖r‖·|s_i[m-1]|``.
+    of a Ritz pair ``(θ_i, Qᵀ s_i)`` is exactly ``‖r‖·|s_i[m-1]|``. ``T`` is a small float64
+    CPU tensor.
 
     Args:
         operator: the symmetric operator.
@@ -48,10 +53,12 @@ class KrylovBasis:
         self.rows = torch.empty(
             capacity, operator.size, dtype=operator.dtype, device=operator.device
         )
-        self.projected = np.zeros((capacity, capacity))
+        self.projected = torch.zeros(capacity, capacity, dtype=torch.float64)
         self.m = 0
         self.residual = torch.zeros(operator.size, dtype=operator.dtype, device=operator.device)
         self.beta = 0.0
+        # Known couplings ``q_i·H r/‖r‖`` of the residual direction with the basis vectors.
+        self.couplings = torch.zeros(0, dtype=torch.float64)
         self.n_hvp = 0
 
     @property
@@ -59,9 +66,16 @@ class KrylovBasis:
         return self.rows[: self.m]
 
     def restart_with(self, vector: torch.Tensor) -> None:
-        """Make (the part of ``vector`` orthogonal to the basis) the next direction to expand."""
-        self.residual = self._orthogonalized(vector.to(self.rows.dtype).clone())[0]
-        self.beta = torch.linalg.vector_norm(self.residual).item()
+        """Make (the part of ``vector`` orthogonal to the basis) the next direction to expand.
+
+        Used at the start and after the basis became invariant, when the couplings vanish.
+        """
+        vector = vector.to(self.rows.dtype).clone()
+        for _ in range(2):
+            vector -= (self.basis @ vector) @ self.basis
+        self.residual = vector
+        self.beta = torch.linalg.vector_norm(vector).item()
+        self.couplings = torch.zeros(self.m, dtype=torch.float64)
 
     def step(self) -> None:
         """Expand the basis by the normalised residual: one Hessian-vector product.
@@ -71,47 +85,57 @@ class KrylovBasis:
         """
         if self.m == self.capacity:
             raise RuntimeError("the Krylov basis is full; compress it first")
-        self.rows[self.m] = self.residual / self.beta
+        j = self.m
+        self.rows[j] = self.residual / self.beta
         self.m += 1
-        product = self.operator.matvec(self.rows[self.m - 1])
+        vector = self.operator.matvec(self.rows[j])
         self.n_hvp += 1
-        if not torch.isfinite(product).all():
+        known = self.couplings.nonzero().flatten()
+        if len(known):
+            vector -= self.couplings[known].to(vector) @ self.rows[known]
+        alpha = torch.dot(self.rows[j], vector)
+        vector -= alpha * self.rows[j]
+        column = torch.zeros(self.m, dtype=torch.float64)
+        column[:j] = self.couplings
+        column[j] = alpha.item()
+        norm = torch.linalg.vector_norm(vector)
+        for _ in range(2):
+            correction = self.basis @ vector
+            vector -= correction @ self.basis
+            column += correction.double().cpu()
+            shrunk = torch.linalg.vector_norm(vector)
+            if shrunk > norm / math.sqrt(2):
+                break
+            norm = shrunk
+        self.beta = shrunk.item()
+        if not (math.isfinite(self.beta) and column.isfinite().all()):
             raise FloatingPointError("a Hessian-vector product is not finite")
-        self.residual, coefficients = self._orthogonalized(product)
-        column = coefficients.double().cpu().numpy()
-        self.projected[: self.m, self.m - 1] = column
-        self.projected[self.m - 1, : self.m] = column
-        self.beta = torch.linalg.vector_norm(self.residual).item()
+        self.projected[: self.m, j] = column
+        self.projected[j, : self.m] = column
+        self.residual = vector
+        self.couplings = torch.zeros(self.m, dtype=torch.float64)
+        self.couplings[j] = self.beta
 
-    def ritz(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def ritz(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Ritz values (ascending), their coordinate vectors in the basis, and their residuals."""
-        values, coordinates = np.linalg.eigh(self.projected[: self.m, : self.m])
-        return values, coordinates, self.beta * np.abs(coordinates[-1])
+        values, coordinates = torch.linalg.eigh(self.projected[: self.m, : self.m])
+        return values, coordinates, self.beta * coordinates[-1].abs()
 
     def is_invariant(self) -> bool:
-        """Whether the basis spans an invariant subspace (the residual vanished)."""
-        scale = np.abs(self.projected[: self.m, : self.m]).max(initial=0.0)
-        return self.beta <= math.sqrt(torch.finfo(self.rows.dtype).eps) * max(scale, 1e-300)
+        """Whether the basis spans an invariant subspace (the residual all but vanished)."""
+        scale = self.projected[: self.m, : self.m].abs().max().item() if self.m else 0.0
+        return self.beta <= math.sqrt(torch.finfo(self.rows.dtype).eps) * scale
 
-    def compress(self, coordinates: np.ndarray, values: np.ndarray) -> None:
+    def compress(self, coordinates: torch.Tensor, values: torch.Tensor) -> None:
         """Thick restart: keep only the Ritz vectors with the given coordinates and values.
 
-        The residual stays as it is (it is orthogonal to every Ritz vector); the couplings
-        ``‖r‖·s_i[m-1]`` between the kept vectors and it reappear in ``T`` at the next step.
+        The residual stays as it is (it is orthogonal to every Ritz vector); its couplings with
+        the kept vectors become ``‖r‖·s_i[m-1]`` (an arrowhead instead of a tridiagonal).
         """
         kept = len(values)
-        mixing = torch.from_numpy(coordinates.T).to(self.rows.dtype).to(self.rows.device)
+        mixing = coordinates.T.to(self.rows)
         self.rows[:kept] = mixing @ self.basis
-        self.projected[:] = 0.0
-        self.projected[np.arange(kept), np.arange(kept)] = values
+        self.couplings = self.beta * coordinates[-1]
+        self.projected.zero_()
+        self.projected.diagonal()[:kept] = values
         self.m = kept
-
-    def _orthogonalized(self, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        coefficients = torch.zeros(self.m, dtype=vector.dtype, device=vector.device)
-        for _ in range(2):
-            if self.m == 0:
-                break
-            step = self.basis @ vector
-            vector = vector - step @ self.basis
-            coefficients += step
-        return vector, coefficients

@@ -3,17 +3,15 @@
 Every curvature algorithm in this package takes such an operator and nothing else, so each can
 be checked against a dense matrix and reused for any loss.
 
-How a product is computed (measured on the teacher–student residual MLP of
-``benchmarks/bench_hessian.py``: 137k parameters, batch 256, 2 CPU threads, torch 2.13; one
-gradient ≈ 6.2 ms):
+How a product is computed (``benchmarks/bench_hessian.py``: the teacher–student residual MLP,
+133k parameters, batch 256, one CPU thread, torch 2.13; medians of 30, one gradient 7.0 ms):
 
 - gradient built once with ``create_graph=True``, every product a reverse pass through that
-  graph: ≈ 13 ms (≈ 2.1 gradients) — kept;
-- loss, gradient and product recomputed for every vector (double backward): ≈ 18 ms;
-- ``torch.func`` forward-over-reverse, ``jvp(jacrev(f))``: ≈ 57 ms; ``jvp(grad(f))`` fails on
-  ``F.mse_loss`` with mean reduction (pytorch issue 123996);
-- the reused graph with 8 vectors per call (``is_grads_batched``): ≈ 12 ms per vector, too small
-  a gain for the memory of a block of vectors.
+  graph: 15.7 ms, 2.24 gradients — kept;
+- loss, gradient and product recomputed for every vector (double backward): 23.0 ms, 3.27;
+- ``torch.func`` forward-over-reverse, ``jvp(jacrev(f))``: 51.2 ms, 7.28; ``jvp(grad(f))``
+  fails on this model's ``F.mse_loss`` ("ZeroTensors are immutable");
+- the reused graph with 8 vectors per call (``is_grads_batched``): 15.9 ms per vector — no gain.
 
 Reusing the graph also fixes one dropout mask and one set of batch statistics for all products,
 so the operator is exactly symmetric even for a module in train mode.
@@ -32,7 +30,8 @@ from dynamics.params import flatten
 
 
 class LinearOperator(Protocol):
-    """What the algorithms need: a symmetric ``matvec`` on flat vectors of length ``size``."""
+    """What the algorithms need: a symmetric ``matvec`` on flat vectors of length ``size``,
+    returning a new tensor (the algorithms update it in place)."""
 
     @property
     def size(self) -> int: ...

@@ -39,12 +39,11 @@ def power_iteration(
     """
     if not 1 <= k <= operator.size:
         raise ValueError(f"k must be between 1 and the operator size {operator.size}, got {k}")
-    starts = random_vectors(k, operator, seed)
     found = torch.empty(0, operator.size, dtype=operator.dtype, device=operator.device)
     values, residuals = [], []
     n_hvp = 0
     converged = True
-    for start in starts:
+    for start in random_vectors(k, operator, seed):
         vector = _unit(_deflated(start, found))
         while True:
             product = operator.matvec(vector)

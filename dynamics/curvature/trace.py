@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -49,18 +50,15 @@ def hutch_plus_plus(operator: LinearOperator, n_hvp: int = 100, *, seed: int = 0
     if n_hvp < 4:
         raise ValueError(f"n_hvp must be at least 4 for Hutch++, got {n_hvp}")
     sketch = n_hvp // 3
-    residual_samples = n_hvp - 2 * sketch
-    draws = random_vectors(sketch + residual_samples, operator, seed, rademacher=True)
-    images = torch.stack([operator.matvec(s) for s in draws[:sketch]])
+    draws = random_vectors(n_hvp - sketch, operator, seed, rademacher=True)
+    images = torch.stack([operator.matvec(next(draws)) for _ in range(sketch)])
     q = torch.linalg.qr(images.T).Q.T  # (sketch, n) orthonormal rows
     top = _quadratic_forms(operator, q).sum()
-    rest = draws[sketch:]
-    rest = rest - (rest @ q.T) @ q
-    samples = _quadratic_forms(operator, rest)
+    samples = _quadratic_forms(operator, (g - (q @ g) @ q for g in draws))
     return TraceEstimate((top + samples.mean()).item(), _stderr(samples), n_hvp)
 
 
-def _quadratic_forms(operator: LinearOperator, vectors: torch.Tensor) -> torch.Tensor:
+def _quadratic_forms(operator: LinearOperator, vectors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.dot(v, operator.matvec(v)) for v in vectors]).double()
 
 
