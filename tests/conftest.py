@@ -88,7 +88,7 @@ TINY_EXPERIMENT = {
     "eval_every": 10,
     "model": {"width": 8, "expansion": 2, "depth": 2},
     "data": {"batch_size": 16, "heldout_size": 64},
-    "record": {"snapshot_budget_mb": 1},
+    "record": {"snapshot_budget_mb": 1, "hessian_every_n_steps": 10},
 }
 
 

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from dynamics import open_run
@@ -18,6 +19,9 @@ def test_run_trains_every_variant_and_prints_a_summary(demo):
     # the students differ in the shift alone: the unshifted activation bias is positive
     assert unshifted.series("activation_bias")["mean"][0].min() > 0.2
     assert abs(shifted.series("activation_bias")["mean"][0]).max() < 0.1
+    hessian = shifted.series("hessian")
+    np.testing.assert_array_equal(hessian.step, [0, 10, 20])
+    assert (np.diff(hessian["eigenvalues"], axis=1) <= 0).all()  # top-5, largest first
 
 
 def test_info_text_and_json(demo, dynamics):

@@ -50,6 +50,8 @@ class RecordConfig:
     every_n_steps: int = 1
     snapshot_budget_mb: float = 32.0
     flush_interval_s: float = 5.0
+    hessian_top_k: int = 5  # 0 records no Hessian spectrum
+    hessian_every_n_steps: int = 100
 
 
 @dataclass
@@ -90,10 +92,13 @@ class TeacherStudentConfig:
             "data.batch_size": self.data.batch_size,
             "data.heldout_size": self.data.heldout_size,
             "record.every_n_steps": self.record.every_n_steps,
+            "record.hessian_every_n_steps": self.record.hessian_every_n_steps,
         }
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{key} must be >= 1, got {value}")
+        if self.record.hessian_top_k < 0:
+            raise ConfigError(f"record.hessian_top_k must be >= 0, got {self.record.hessian_top_k}")
         if self.optimizer.lr <= 0:
             raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
         if not self.variants:

@@ -16,6 +16,7 @@ from dynamics.analysis.plane import Plane, plane_from_gradients
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,
+    HessianSpectrum,
     HiddenStateNorms,
     LoggedMetrics,
     ParameterDisplacement,
@@ -120,16 +121,26 @@ def _train_variant(
     progress: bool,
 ) -> VariantResult:
     data = _data(config)
-    every = config.record.every_n_steps
+    record = config.record
+    every = record.every_n_steps
+    probes = [
+        TrainingLoss(every),
+        HiddenStateNorms(every_n_steps=every),
+        ParameterDisplacement(every, snapshot_budget_mb=record.snapshot_budget_mb),
+        LoggedMetrics(["val_loss"]),
+        GradientPlane(basis=plane, batch=probe_batch, every_n_steps=every),
+    ]
+    if record.hessian_top_k:
+        probes.append(
+            HessianSpectrum(
+                k=record.hessian_top_k,
+                every_n_steps=record.hessian_every_n_steps,
+                batch=probe_batch,
+            )
+        )
     recorder = DynamicsRecorder(
         path,
-        probes=[
-            TrainingLoss(every),
-            HiddenStateNorms(every_n_steps=every),
-            ParameterDisplacement(every, snapshot_budget_mb=config.record.snapshot_budget_mb),
-            LoggedMetrics(["val_loss"]),
-            GradientPlane(basis=plane, batch=probe_batch, every_n_steps=every),
-        ],
+        probes=probes,
         overwrite=True,  # run_teacher_student refused existing outputs up front
         config={"experiment": "teacher_student", "variant": name, **config.to_dict()},
         run_name=name,
