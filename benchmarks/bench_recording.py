@@ -62,15 +62,18 @@ def _held(obj, own: set[int], seen: set[int]) -> int:
     return 0
 
 
-def train(config, probes, folder: Path) -> tuple[float, int, int]:
+def train(config, probes, folder: Path, meter_memory: bool = False) -> tuple[float, int, int]:
+    """Wall time of one fit, and (when metered, an untimed run) the recorder's peak bytes."""
     module = TeacherStudentModule(**vars(config.model), seed=config.seed, lr=config.optimizer.lr)
     data = TeacherStudentData(**vars(config.model), batch_size=config.data.batch_size)
     callbacks: list[pl.Callback] = []
     meter = None
     if probes is not None:
         recorder = DynamicsRecorder(folder / f"run{time.monotonic_ns()}.h5", probes)
-        meter = HeldBytes(recorder)
-        callbacks = [recorder, meter]
+        callbacks = [recorder]
+        if meter_memory:  # walking the recorder's objects every step costs time: never timed
+            meter = HeldBytes(recorder)
+            callbacks.append(meter)
     trainer = pl.Trainer(
         max_steps=config.steps,
         limit_val_batches=0,
@@ -104,6 +107,11 @@ def main() -> None:
             HiddenStateNorms(),
             ParameterDisplacement(snapshot_budget_mb=32),
         ],
+        "recorder, the same probes every 10 steps": lambda: [
+            TrainingLoss(10),
+            HiddenStateNorms(every_n_steps=10),
+            ParameterDisplacement(10, snapshot_budget_mb=32),
+        ],
     }
     if args.hessian:
         from dynamics.callbacks import HessianSpectrum
@@ -116,14 +124,15 @@ def main() -> None:
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as folder:
         train(config, None, Path(folder))  # warm-up: imports, allocator, first-call costs
+        for name, probes in variants.items():
+            _, peaks[name], param_bytes = train(config, probes(), Path(folder), meter_memory=True)
         for rep in range(args.reps):
-            bare, _, param_bytes = train(config, None, Path(folder))
+            bare, _, _ = train(config, None, Path(folder))
             times["bare"].append(bare)
             for name, probes in variants.items():
-                elapsed, peak, _ = train(config, probes(), Path(folder))
+                elapsed, _, _ = train(config, probes(), Path(folder))
                 times[name].append(elapsed)
                 ratios[name].append(elapsed / bare)
-                peaks[name] = max(peaks.get(name, 0), peak)
             print(
                 f"rep {rep + 1}/{args.reps}: bare {bare:.1f} s, "
                 + ", ".join(f"{times[n][-1]:.1f} s" for n in variants),
