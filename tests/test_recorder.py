@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from dynamics import open_run
 from dynamics.callbacks import (
     DynamicsRecorder,
+    GradientPlane,
+    HessianSpectrum,
     HiddenStateNorms,
     LoggedMetrics,
     ParameterDisplacement,
@@ -208,3 +210,17 @@ def test_two_recorders_have_distinct_state_keys(tmp_path):
         DynamicsRecorder(tmp_path / "a.h5").state_key
         != DynamicsRecorder(tmp_path / "b.h5").state_key
     )
+
+
+def test_probes_extra_passes_are_not_recorded_as_hidden_states(tmp_path, quiet_trainer):
+    def hidden_norms(probes, name):
+        module, data = tiny_teacher_student()
+        path = tmp_path / f"{name}.h5"
+        quiet_trainer(max_steps=6, callbacks=[DynamicsRecorder(path, probes)]).fit(module, data)
+        return open_run(path).series("hidden_norms")["norm"]
+
+    alone = hidden_norms([HiddenStateNorms()], "alone")
+    with_hessian = hidden_norms(
+        [HiddenStateNorms(), HessianSpectrum(k=2, every_n_steps=2), GradientPlane()], "with"
+    )
+    np.testing.assert_array_equal(alone, with_hessian)
