@@ -67,8 +67,12 @@ def test_bad_configs_get_one_line(tmp_path, config, message, dynamics, one_line_
         ["run", "--out", "x"],
         ["frobnicate"],
         ["run", "cfg.yaml", "--out", "x", "--steps", "many"],
+        ["run", "tiny.yaml", "--out", "a_file", "--no-progress"],
+        ["run", "tiny.yaml", "--out", "a_file/below", "--no-progress"],
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(tmp_path, args, dynamics, one_line_error):
     (tmp_path / "not_a_run.h5").write_text("plain text")
+    (tmp_path / "tiny.yaml").write_text("steps: 2\n")
+    (tmp_path / "a_file").write_text("mine")
     one_line_error(dynamics(*args, cwd=tmp_path))

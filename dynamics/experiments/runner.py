@@ -62,7 +62,10 @@ def run_teacher_student(
     existing = [p for p in paths.values() if p.exists()]
     if existing and not overwrite:
         raise DynamicsError(f"{existing[0]} exists; pass --overwrite to replace it")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DynamicsError(f"cannot create output folder {out_dir}: {error.strerror}") from None
     torch.set_num_threads(config.threads)
     _quiet_lightning()
     students = {name: _student(config, shift) for name, shift in config.variants.items()}
