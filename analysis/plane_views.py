@@ -54,6 +54,29 @@ class PlaneView:
     notes: dict[str, float] = field(default_factory=dict)
 
 
+def initial_gradient_plane(
+    run_a: Run, run_b: Run, grid_side: int = 41
+) -> tuple[Plane, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Check two runs can be compared on a plane; their initial-gradient plane and checkpoints.
+
+    Cheap: call it before rebuilding models, so bad input is refused first.
+
+    Returns:
+        The plane (u from ``run_a``'s g0, v from ``run_b``'s) and ``{run name: (steps, θs)}``
+        of snapshots followed by θT.
+
+    Raises:
+        DynamicsError: the runs differ in θ0 or parameter layout, lack g0, snapshots or θT, or
+            ``grid_side`` is below 2.
+    """
+    if grid_side < 2:
+        raise DynamicsError(f"--grid must be at least 2, got {grid_side}")
+    runs = [run_a, run_b]
+    theta0 = _check_comparable(runs)
+    plane = plane_from_gradients(theta0, *(_vector(r, "g0", "initial gradient g0") for r in runs))
+    return plane, {r.name: _checkpoints(r) for r in runs}
+
+
 def plane_views(
     run_a: Run,
     run_b: Run,
@@ -61,6 +84,7 @@ def plane_views(
     grid_side: int = 41,
     margin: float = 0.25,
     progress: bool = False,
+    distributed: bool = False,
 ) -> list[PlaneView]:
     """Both runs on the plane of their initial gradients, then each run's out-of-plane view.
 
@@ -71,16 +95,14 @@ def plane_views(
         grid_side: grid points per axis (≥ 2).
         margin: extra fraction of the trajectories' range on each side of the grid.
         progress: progress bars over the grids.
+        distributed: split every grid across the ranks of the initialized default process
+            group (see :func:`evaluate_grid`); every rank returns the same views.
 
     Raises:
-        DynamicsError: the runs differ in θ0 or parameter layout, or lack g0, snapshots or θT.
+        DynamicsError: as :func:`initial_gradient_plane`.
     """
-    if grid_side < 2:
-        raise DynamicsError(f"--grid must be at least 2, got {grid_side}")
     runs = [run_a, run_b]
-    theta0 = _check_comparable(runs)
-    plane = plane_from_gradients(theta0, *(_vector(r, "g0", "initial gradient g0") for r in runs))
-    checkpoints = {r.name: _checkpoints(r) for r in runs}
+    plane, checkpoints = initial_gradient_plane(run_a, run_b, grid_side)
 
     on_plane = {
         r.name: _trajectory(r.name, plane, *checkpoints[r.name], surfaces[r.name]) for r in runs
@@ -97,7 +119,9 @@ def plane_views(
             plane=plane,
             grid=grid,
             run=r.name,
-            losses=evaluate_grid(surfaces[r.name], plane, grid, progress=progress),
+            losses=evaluate_grid(
+                surfaces[r.name], plane, grid, progress=progress, distributed=distributed
+            ),
             trajectories=list(on_plane.values()),
             notes={f"in-plane share of ‖θT − θ0‖², {t.run}": _share(t) for t in on_plane.values()},
         )
@@ -119,7 +143,13 @@ def plane_views(
                 plane=second,
                 grid=second_grid,
                 run=r.name,
-                losses=evaluate_grid(surfaces[r.name], second, second_grid, progress=progress),
+                losses=evaluate_grid(
+                    surfaces[r.name],
+                    second,
+                    second_grid,
+                    progress=progress,
+                    distributed=distributed,
+                ),
                 trajectories=[trajectory],
                 notes={f"in-plane share of ‖θT − θ0‖², {r.name}": share},
             )

@@ -132,10 +132,11 @@ def test_plane_command_bad_input(demo, dynamics, one_line_error, tmp_path, quiet
     cases = {
         "do not share θ0": [good, tmp_path / "other_theta0.h5", *out],
         "no parameter snapshots": [good, tmp_path / "no_snapshots.h5", *out],
-        "record with GradientPlane": [good, tmp_path / "no_g0.h5", *out],
+        "no initial gradient g0": [good, tmp_path / "no_g0.h5", *out],
         "at least 2": [good, partner, *out, "--grid", "1"],
         "no such file": [good, tmp_path / "missing.h5", *out],
         "does not exist": [good, partner, "-o", tmp_path / "nodir" / "x.html"],
+        "--processes must be at least 1": [good, partner, *out, "--processes", "0"],
     }
     for message, args in cases.items():
         result = dynamics("plane", *args)
@@ -146,3 +147,17 @@ def test_plane_command_bad_input(demo, dynamics, one_line_error, tmp_path, quiet
     existing.write_text("mine")
     one_line_error(dynamics("plane", good, partner, "-o", existing))
     assert existing.read_text() == "mine"
+
+
+def test_plane_grids_split_across_processes_equal_one_process(demo, dynamics, tmp_path):
+    folder, _ = demo
+    runs = [folder / "runs" / f"{v}.h5" for v in ("unshifted", "shifted")]
+    for processes in (1, 2):
+        out = tmp_path / f"p{processes}.html"
+        result = dynamics(
+            "plane", *runs, "-o", out, "--grid", "5", "--no-progress", "--processes", processes
+        )
+        assert result.returncode == 0, result.stderr
+    with h5py.File(tmp_path / "p1.h5") as one, h5py.File(tmp_path / "p2.h5") as two:
+        for view in one:
+            np.testing.assert_array_equal(one[view]["losses"][:], two[view]["losses"][:])
