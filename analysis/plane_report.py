@@ -15,7 +15,7 @@ from dynamics.analysis.plane_views import PlaneView
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
 
-def plane_figure(views: list[PlaneView]) -> go.Figure:
+def heatmap_figure(views: list[PlaneView]) -> go.Figure:
     """One heatmap per view (log10 loss of that view's model), trajectories drawn over it."""
     columns = 2
     rows = -(-len(views) // columns)
@@ -142,7 +142,7 @@ def write_plane_html(views: list[PlaneView], out: Path) -> None:
             "<p>Heatmaps: log10 of each run's loss on its stored probe batch at θ0 + a·u + b·v "
             "(models in eval mode). Circles mark θ0, stars θT.</p>",
             f"<table border=1 cellpadding=4>{rows}</table>",
-            plane_figure(views).to_html(full_html=False, include_plotlyjs=True),
+            heatmap_figure(views).to_html(full_html=False, include_plotlyjs=True),
             checkpoint_loss_figure(views).to_html(full_html=False, include_plotlyjs=False),
         ]
     )

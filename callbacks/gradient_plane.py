@@ -14,7 +14,13 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics.analysis.plane import Plane, plane_from_gradients
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.callbacks.probe import (
+    Probe,
+    Rows,
+    SeriesSpec,
+    detached_copy,
+    require_unsharded,
+)
 from dynamics.isolation import side_effect_free
 from dynamics.loss_rule import module_loss
 from dynamics.params import ParameterLayout, flatten, parameter_vector, vector_hash
@@ -62,12 +68,11 @@ class GradientPlane(Probe):
         self._row: dict[str, torch.Tensor] | None = None  # coordinates of θ_step, taken pre-update
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        if _sharded(trainer):
-            raise ValueError("GradientPlane needs unsharded parameters; FSDP/DeepSpeed unsupported")
+        require_unsharded(trainer, "GradientPlane")
         self.layout = ParameterLayout.of(pl_module)
         self._params = self.layout.parameters(pl_module)
         if self._batch is None:
-            self._batch = apply_to_collection(batch, torch.Tensor, lambda t: t.detach().clone())
+            self._batch = detached_copy(batch)
         self._batch = move_data_to_device(self._batch, pl_module.device)
         if self._g0 is None:  # a resumed fit restored g0 and θ0 from the checkpoint
             self._theta0 = parameter_vector(pl_module, self.layout)
@@ -170,7 +175,3 @@ def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
     leaves: list[torch.Tensor] = []
     apply_to_collection(batch, torch.Tensor, leaves.append)
     return leaves
-
-
-def _sharded(trainer: pl.Trainer) -> bool:
-    return type(trainer.strategy).__name__ in ("FSDPStrategy", "DeepSpeedStrategy")

@@ -10,17 +10,20 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.utilities.apply_func import move_data_to_device
 from lightning_utilities.core.apply_func import apply_to_collection
-from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.func import functional_call
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.callbacks.probe import (
+    Probe,
+    Rows,
+    SeriesSpec,
+    detached_copy,
+    require_unsharded,
+)
 from dynamics.curvature import HessianOperator, hutch_plus_plus, lanczos, spectral_density
 from dynamics.isolation import side_effect_free
 from dynamics.loss_rule import module_loss
-
-_SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 
 
 class HessianSpectrum(Probe):
@@ -99,16 +102,12 @@ class HessianSpectrum(Probe):
         self.density_steps = density_steps
         self.warm_start = warm_start
         self.seed = seed
-        self._batch = None if batch is None else _detached_copy(batch)
+        self._batch = None if batch is None else detached_copy(batch)
         self._ritz: torch.Tensor | None = None
         self._row: dict[str, Any] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        if isinstance(trainer.strategy, _SHARDED):
-            raise ValueError(
-                f"HessianSpectrum needs every rank to hold all parameters, but "
-                f"{type(trainer.strategy).__name__} shards them; use DDP or a single device"
-            )
+        require_unsharded(trainer, "HessianSpectrum")
         self._names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
         if not self._names:
             raise ValueError("HessianSpectrum found no trainable parameter")
@@ -117,7 +116,7 @@ class HessianSpectrum(Probe):
         self._loss = _LossOf(pl_module)
         self._ritz = None
         if self._batch is None:  # neither given nor restored from a checkpoint
-            self._batch = _detached_copy(batch)
+            self._batch = detached_copy(batch)
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
@@ -262,10 +261,6 @@ class _LossOf(nn.Module):
 
 def _prefixed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"module.{n}": t for n, t in tensors.items()}
-
-
-def _detached_copy(batch: Any) -> Any:
-    return apply_to_collection(batch, torch.Tensor, lambda t: t.detach().clone())
 
 
 def _upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,8 +12,12 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 from dynamics.store import SeriesSpec
+
+_SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 
 #: Rows a probe returns at a step: ``{group: {series: value}}``. Each group has its own step
 #: index in the run file, so a probe may fill some of its groups at a step and not others.
@@ -93,3 +97,21 @@ class Probe:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, before ``setup`` on a resumed fit."""
+
+
+def detached_copy(batch: Any) -> Any:
+    """``batch`` with every tensor a detached clone: a probe batch training cannot alter."""
+    return apply_to_collection(batch, torch.Tensor, lambda t: t.detach().clone())
+
+
+def require_unsharded(trainer: pl.Trainer, probe: str) -> None:
+    """Refuse strategies that shard parameters: extra passes need every rank to hold them all.
+
+    Raises:
+        ValueError: under FSDP, DeepSpeed or model parallelism.
+    """
+    if isinstance(trainer.strategy, _SHARDED):
+        raise ValueError(
+            f"{probe} needs every rank to hold all parameters, but "
+            f"{type(trainer.strategy).__name__} shards them; use DDP or a single device"
+        )

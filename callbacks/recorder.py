@@ -195,7 +195,7 @@ class DynamicsRecorder(Callback):
         scalars = {
             f"dynamics/{group}/{name}": float(v)
             for name, v in values.items()
-            if np.ndim(v.detach().cpu() if isinstance(v, torch.Tensor) else v) == 0
+            if np.ndim(v) == 0  # tensors answer ndim without a copy to the host
         }
         if scalars and trainer.is_global_zero:
             for logger in trainer.loggers:
