@@ -27,9 +27,15 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/pytest
 
+# import-linter reads the package from disk; the copy under build/ lays it out as installed.
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	rm -rf build/layers && mkdir -p build/layers
+	cp -r dynamics build/layers/dynamics
+	cp -r callbacks build/layers/dynamics/callbacks
+	cp -r analysis build/layers/dynamics/analysis
+	cd build/layers && PYTHONPATH=. ../../$(BIN)/lint-imports --config ../../pyproject.toml
 
 format: $(BIN)/.installed
 	$(BIN)/ruff format .

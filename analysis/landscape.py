@@ -2,7 +2,7 @@
 
 A :class:`LossSurface` holds one module and one in-memory batch and answers "what is the loss at
 this parameter vector?". :func:`evaluate_grid` asks it at every point θ0 + a·u + b·v of a
-:class:`~dynamics.analysis.plane.Grid`, optionally split across the ranks of a torch.distributed
+:class:`~dynamics.plane.Grid`, optionally split across the ranks of a torch.distributed
 process group.
 """
 
@@ -20,9 +20,9 @@ from numpy.typing import ArrayLike
 from torch import nn
 from tqdm.auto import tqdm
 
-from dynamics.analysis.plane import Grid, Plane
 from dynamics.loss_rule import module_loss
 from dynamics.params import ParameterLayout, parameter_vector
+from dynamics.plane import Grid, Plane
 
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]
 

@@ -16,7 +16,8 @@ import h5py
 import numpy as np
 
 from dynamics.analysis.landscape import LossSurface, evaluate_grid
-from dynamics.analysis.plane import (
+from dynamics.errors import DynamicsError
+from dynamics.plane import (
     Grid,
     Plane,
     covering_grid,
@@ -24,7 +25,6 @@ from dynamics.analysis.plane import (
     plane_from_gradients,
     project,
 )
-from dynamics.errors import DynamicsError
 from dynamics.store import Run
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, jacrev, jvp
 
-from dynamics.hessian import HessianOperator, lanczos, top_eigenvalues
+from dynamics.curvature import HessianOperator, lanczos, top_eigenvalues
 from dynamics.models import ResidualMLP
 
 ACCURACY = 1e-4

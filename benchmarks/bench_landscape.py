@@ -31,9 +31,9 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from dynamics.analysis.landscape import LossSurface, evaluate_grid
-from dynamics.analysis.plane import Grid, Plane, random_filter_normalized_plane
 from dynamics.models import ResidualMLP
 from dynamics.params import ParameterLayout, parameter_vector
+from dynamics.plane import Grid, Plane, random_filter_normalized_plane
 
 GRID_SIDE = 41
 

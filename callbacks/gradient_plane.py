@@ -9,11 +9,9 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from lightning_fabric.utilities.apply_func import move_data_to_device
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from dynamics.analysis.plane import Plane, plane_from_gradients
 from dynamics.callbacks.probe import (
     Probe,
     Rows,
@@ -21,10 +19,10 @@ from dynamics.callbacks.probe import (
     detached_copy,
     require_unsharded,
 )
-from dynamics.isolation import side_effect_free
-from dynamics.loss_rule import module_loss
+from dynamics.initial_gradient import initial_gradient
 from dynamics.params import ParameterLayout, flatten, parameter_vector, vector_hash
-from dynamics.store import RunFileError, open_run
+from dynamics.plane import Plane, plane_from_gradients
+from dynamics.store import RunFileError, names, open_run
 
 
 class GradientPlane(Probe):
@@ -49,7 +47,7 @@ class GradientPlane(Probe):
         every_n_steps: period of the (a, b, r) series.
     """
 
-    name = "plane"
+    name = names.PLANE
 
     def __init__(
         self,
@@ -87,21 +85,31 @@ class GradientPlane(Probe):
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         if self.plane is None:
             return {}
-        return {"plane": {"a": SeriesSpec(), "b": SeriesSpec(), "r": SeriesSpec()}}
+        # Drawn by the report's dedicated plane view, so no generic view is declared.
+        return {
+            names.PLANE: {
+                names.PLANE_A: SeriesSpec(),
+                names.PLANE_B: SeriesSpec(),
+                names.PLANE_R: SeriesSpec(),
+            }
+        }
 
     def vectors(self) -> dict[str, SeriesSpec]:
         size = (self.layout.size,)
-        vectors = {"g0": SeriesSpec(size)}
+        vectors = {names.G0: SeriesSpec(size)}
         for name, array in self._batch_arrays():
             vectors[name] = SeriesSpec(array.shape, str(array.dtype))
         if self.plane is not None:
-            vectors.update(plane_u=SeriesSpec(size, "float64"), plane_v=SeriesSpec(size, "float64"))
+            vectors |= {
+                names.PLANE_U: SeriesSpec(size, "float64"),
+                names.PLANE_V: SeriesSpec(size, "float64"),
+            }
         return vectors
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
-        vectors = {"g0": self._g0.cpu().numpy(), **dict(self._batch_arrays())}
+        vectors = {names.G0: self._g0.cpu().numpy(), **dict(self._batch_arrays())}
         if self.plane is not None:
-            vectors.update(plane_u=self.plane.u, plane_v=self.plane.v)
+            vectors |= {names.PLANE_U: self.plane.u, names.PLANE_V: self.plane.v}
         return vectors
 
     def is_due(self, step: int) -> bool:
@@ -113,7 +121,7 @@ class GradientPlane(Probe):
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         row, self._row = self._row, None
-        return {"plane": row} if row is not None else {}
+        return {names.PLANE: row} if row is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
         if self._g0 is None:
@@ -136,39 +144,31 @@ class GradientPlane(Probe):
         displacement = flatten(self._params) - self._theta0
         a, b = displacement @ self._u, displacement @ self._v
         residual = displacement - a * self._u - b * self._v
-        return {"a": a, "b": b, "r": torch.linalg.vector_norm(residual)}
+        return {
+            names.PLANE_A: a,
+            names.PLANE_B: b,
+            names.PLANE_R: torch.linalg.vector_norm(residual),
+        }
 
     def _batch_arrays(self) -> list[tuple[str, np.ndarray]]:
         leaves = _tensor_leaves(self._batch)
-        return [(f"probe_batch.{i}", t.detach().cpu().numpy()) for i, t in enumerate(leaves)]
+        return [
+            (f"{names.PROBE_BATCH_PREFIX}{i}", t.detach().cpu().numpy())
+            for i, t in enumerate(leaves)
+        ]
 
     def _plane_with_partner(self) -> Plane:
         try:
             partner = open_run(self.partner)
         except RunFileError as error:
             raise ValueError(f"GradientPlane partner: {error}") from None
-        if partner.attrs.get("theta0_sha256") != vector_hash(self._theta0):
+        if partner.attrs.get(names.ATTR_THETA0_SHA256) != vector_hash(self._theta0):
             raise ValueError(f"GradientPlane partner {self.partner} does not share this run's θ0")
-        g_partner = partner.vector("g0")
+        g_partner = partner.vector(names.G0)
         if g_partner is None:
             raise ValueError(f"GradientPlane partner {self.partner} stores no initial gradient g0")
         theta0 = self._theta0.double().cpu().numpy()
         return plane_from_gradients(theta0, g_partner, self._g0.double().cpu().numpy())
-
-
-def initial_gradient(module: torch.nn.Module, batch: Any, layout: ParameterLayout) -> torch.Tensor:
-    """∇L(θ) on ``batch`` as a flat vector, leaving the module, RNG and ``.grad`` as they were.
-
-    Under an initialized process group every rank must call this; the result is the average of
-    the ranks' gradients, as data-parallel training would apply.
-    """
-    params = layout.parameters(module)
-    with side_effect_free(module):
-        gradient = flatten(torch.autograd.grad(module_loss(module, batch), params))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(gradient)
-        gradient /= dist.get_world_size()
-    return gradient
 
 
 def _tensor_leaves(batch: Any) -> list[torch.Tensor]:

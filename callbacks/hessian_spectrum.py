@@ -24,6 +24,7 @@ from dynamics.callbacks.probe import (
 from dynamics.curvature import HessianOperator, hutch_plus_plus, lanczos, spectral_density
 from dynamics.isolation import side_effect_free
 from dynamics.loss_rule import module_loss
+from dynamics.store import View, names
 
 
 class HessianSpectrum(Probe):
@@ -52,7 +53,7 @@ class HessianSpectrum(Probe):
     - ``gradient_share`` (with ``gradient_share=True``): ``‖P_k g‖² / ‖g‖²`` for the probe-batch
       gradient ``g`` and the projector ``P_k`` on the top-k eigenvectors;
     - ``density_nodes``, ``density_weights`` (runs, steps) (with ``density_runs``): the
-      stochastic Lanczos quadrature; :func:`dynamics.hessian.broadened_density` turns it into
+      stochastic Lanczos quadrature; :func:`dynamics.curvature.broadened_density` turns it into
       a density on any grid.
 
     Args:
@@ -69,7 +70,7 @@ class HessianSpectrum(Probe):
         seed: seed of the random start vectors (the global RNG is never used).
     """
 
-    name = "hessian"
+    name = names.HESSIAN
 
     def __init__(
         self,
@@ -120,27 +121,40 @@ class HessianSpectrum(Probe):
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
+        eigenvalues = View("lines", "Top Hessian eigenvalues", "λ")
+        residuals = View("lines", "Eigenpair residuals ‖Hv − λv‖", "residual", log_y=True)
         specs = {
-            "eigenvalues": SeriesSpec((self.k,), columns=columns),
-            "residuals": SeriesSpec((self.k,), columns=columns),
-            "converged": SeriesSpec(dtype="int8"),
-            "n_hvp": SeriesSpec(dtype="int32"),
-            "loss": SeriesSpec(),
+            names.HESSIAN_EIGENVALUES: SeriesSpec((self.k,), columns=columns, view=eigenvalues),
+            names.HESSIAN_RESIDUALS: SeriesSpec((self.k,), columns=columns, view=residuals),
+            names.HESSIAN_CONVERGED: SeriesSpec(dtype="int8"),
+            names.HESSIAN_N_HVP: SeriesSpec(
+                dtype="int32", view=View("scalar", "Hessian-vector products per record", "HVPs")
+            ),
+            names.HESSIAN_LOSS: SeriesSpec(view=View("scalar", "Probe-batch loss", "loss")),
         }
         if self.trace_hvp:
-            specs |= {"trace": SeriesSpec(), "trace_stderr": SeriesSpec()}
+            specs |= {
+                names.HESSIAN_TRACE: SeriesSpec(
+                    view=View("scalar", "Hessian trace (Hutch++)", "tr H")
+                ),
+                names.HESSIAN_TRACE_STDERR: SeriesSpec(),
+            }
         if self.gradient_share:
-            specs["gradient_share"] = SeriesSpec()
+            share = View("scalar", "Gradient share in the top-k eigenspace", "‖P_k g‖² / ‖g‖²")
+            specs[names.HESSIAN_GRADIENT_SHARE] = SeriesSpec(view=share)
         if self.density_runs:
             shape = (self.density_runs, self.density_steps)
-            specs |= {"density_nodes": SeriesSpec(shape), "density_weights": SeriesSpec(shape)}
+            specs |= {
+                names.HESSIAN_DENSITY_NODES: SeriesSpec(shape),
+                names.HESSIAN_DENSITY_WEIGHTS: SeriesSpec(shape),
+            }
         return {self.name: specs}
 
     def vectors(self) -> dict[str, SeriesSpec]:
-        return {f"{self.name}_float_bits": SeriesSpec((1,), dtype="int8")}
+        return {names.float_bits(self.name): SeriesSpec((1,), dtype="int8")}
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
-        return {f"{self.name}_float_bits": np.array([torch.finfo(self.dtype).bits], np.int8)}
+        return {names.float_bits(self.name): np.array([torch.finfo(self.dtype).bits], np.int8)}
 
     def on_step_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
@@ -181,13 +195,13 @@ class HessianSpectrum(Probe):
                 )
             except FloatingPointError as error:
                 return self._warned(row, step, error)
-            row["loss"] = operator.loss
+            row[names.HESSIAN_LOSS] = operator.loss
             try:
                 self._fill(row, operator)
             except FloatingPointError as error:
-                row["n_hvp"] = operator.n_hvp
+                row[names.HESSIAN_N_HVP] = operator.n_hvp
                 return self._warned(row, step, error)
-        row["n_hvp"] = operator.n_hvp
+        row[names.HESSIAN_N_HVP] = operator.n_hvp
         return row
 
     def _fill(self, row: dict[str, Any], operator: HessianOperator) -> None:
@@ -196,39 +210,44 @@ class HessianSpectrum(Probe):
             operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
         )
         self._ritz = pairs.eigenvectors
-        row["eigenvalues"] = pairs.eigenvalues.float().numpy()
-        row["residuals"] = pairs.residuals.float().numpy()
-        row["converged"] = np.int8(pairs.converged)
+        row[names.HESSIAN_EIGENVALUES] = pairs.eigenvalues.float().numpy()
+        row[names.HESSIAN_RESIDUALS] = pairs.residuals.float().numpy()
+        row[names.HESSIAN_CONVERGED] = np.int8(pairs.converged)
         if self.gradient_share:
             gradient = operator.gradient
             inside = torch.linalg.vector_norm(pairs.eigenvectors @ gradient) ** 2
-            row["gradient_share"] = (inside / torch.linalg.vector_norm(gradient) ** 2).item()
+            row[names.HESSIAN_GRADIENT_SHARE] = (
+                inside / torch.linalg.vector_norm(gradient) ** 2
+            ).item()
         if self.trace_hvp:
             trace = hutch_plus_plus(operator, self.trace_hvp, seed=self.seed)
-            row["trace"], row["trace_stderr"] = trace.trace, trace.stderr
+            row[names.HESSIAN_TRACE], row[names.HESSIAN_TRACE_STDERR] = trace.trace, trace.stderr
         if self.density_runs:
             density = spectral_density(
                 operator, self.density_runs, self.density_steps, seed=self.seed
             )
-            row["density_nodes"] = density.nodes.astype(np.float32)
-            row["density_weights"] = density.weights.astype(np.float32)
+            row[names.HESSIAN_DENSITY_NODES] = density.nodes.astype(np.float32)
+            row[names.HESSIAN_DENSITY_WEIGHTS] = density.weights.astype(np.float32)
 
     def _nan_row(self) -> dict[str, Any]:
         nan = np.float32("nan")
         row: dict[str, Any] = {
-            "eigenvalues": np.full(self.k, nan),
-            "residuals": np.full(self.k, nan),
-            "converged": np.int8(0),
-            "n_hvp": 0,
-            "loss": nan,
+            names.HESSIAN_EIGENVALUES: np.full(self.k, nan),
+            names.HESSIAN_RESIDUALS: np.full(self.k, nan),
+            names.HESSIAN_CONVERGED: np.int8(0),
+            names.HESSIAN_N_HVP: 0,
+            names.HESSIAN_LOSS: nan,
         }
         if self.trace_hvp:
-            row |= {"trace": nan, "trace_stderr": nan}
+            row |= {names.HESSIAN_TRACE: nan, names.HESSIAN_TRACE_STDERR: nan}
         if self.gradient_share:
-            row["gradient_share"] = nan
+            row[names.HESSIAN_GRADIENT_SHARE] = nan
         if self.density_runs:
             shape = (self.density_runs, self.density_steps)
-            row |= {"density_nodes": np.full(shape, nan), "density_weights": np.full(shape, nan)}
+            row |= {
+                names.HESSIAN_DENSITY_NODES: np.full(shape, nan),
+                names.HESSIAN_DENSITY_WEIGHTS: np.full(shape, nan),
+            }
         return row
 
     def _warned(self, row: dict[str, Any], step: int, error: FloatingPointError) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from torch import nn
 from dynamics.activations import ACTIVATIONS, ShiftedActivation
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.isolation import in_extra_pass
+from dynamics.store import View, names
 
 #: Module types whose output is a post-activation, for the activation-bias series.
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
@@ -80,11 +81,19 @@ class HiddenStateNorms(Probe):
             self._handles.append(named[layer].register_forward_hook(self._bias_hook(layer)))
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
-        groups = {"hidden_norms": {"norm": SeriesSpec((len(self.layers),), columns=self.layers)}}
+        norms = View("panels", "Hidden-state norm per layer", "mean ‖h‖")
+        groups = {
+            names.HIDDEN_NORMS: {
+                names.HIDDEN_NORM: SeriesSpec((len(self.layers),), columns=self.layers, view=norms)
+            }
+        }
         if self.activation_layers:
             n = len(self.activation_layers)
-            groups["activation_bias"] = {
-                "mean": SeriesSpec((n,), columns=tuple(self.activation_layers))
+            bias = View("panels", "Activation bias per layer (mean post-activation)", "mean φ(z)")
+            groups[names.ACTIVATION_BIAS] = {
+                names.ACTIVATION_MEAN: SeriesSpec(
+                    (n,), columns=tuple(self.activation_layers), view=bias
+                )
             }
         return groups
 
@@ -95,9 +104,10 @@ class HiddenStateNorms(Probe):
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         self._armed = False
-        rows: Rows = {"hidden_norms": {"norm": _means(self._norms, self.layers)}}
+        rows: Rows = {names.HIDDEN_NORMS: {names.HIDDEN_NORM: _means(self._norms, self.layers)}}
         if self.activation_layers:
-            rows["activation_bias"] = {"mean": _means(self._biases, self.activation_layers)}
+            biases = _means(self._biases, self.activation_layers)
+            rows[names.ACTIVATION_BIAS] = {names.ACTIVATION_MEAN: biases}
         return rows
 
     def teardown(self) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.store import View, names
 
 
 class LoggedMetrics(Probe):
@@ -19,16 +20,20 @@ class LoggedMetrics(Probe):
         keys: names the module passes to ``self.log`` in its validation step.
     """
 
-    name = "validation"
+    name = names.VALIDATION
 
-    def __init__(self, keys: Sequence[str] = ("val_loss",)) -> None:
+    def __init__(self, keys: Sequence[str] = (names.VAL_LOSS,)) -> None:
         super().__init__()
         if not keys:
             raise ValueError("LoggedMetrics needs at least one key")
         self.keys = tuple(keys)
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
-        return {"validation": {key: SeriesSpec() for key in self.keys}}
+        return {
+            names.VALIDATION: {
+                key: SeriesSpec(view=View("scalar", f"Validation: {key}", key)) for key in self.keys
+            }
+        }
 
     def is_due(self, step: int) -> bool:
         return False  # validation runs have their own schedule
@@ -36,4 +41,6 @@ class LoggedMetrics(Probe):
     def on_validation_end(self, trainer, pl_module) -> Rows:
         metrics = trainer.callback_metrics
         nan = torch.tensor(float("nan"))
-        return {"validation": {k: metrics.get(k, nan).detach().float().cpu() for k in self.keys}}
+        return {
+            names.VALIDATION: {k: metrics.get(k, nan).detach().float().cpu() for k in self.keys}
+        }

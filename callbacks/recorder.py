@@ -21,7 +21,7 @@ from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, Rows
 from dynamics.callbacks.training_loss import TrainingLoss
 from dynamics.params import ParameterLayout, parameter_vector, vector_hash
-from dynamics.store import RunWriter
+from dynamics.store import RunWriter, names
 
 
 class DynamicsRecorder(Callback):
@@ -205,19 +205,19 @@ class DynamicsRecorder(Callback):
         layout = ParameterLayout.of(pl_module)
         hparams = dict(getattr(pl_module, "hparams", {}) or {})
         return {
-            "run_name": self.run_name,
-            "config": self.config,
-            "layout": layout.to_dict(),
-            "theta0_sha256": vector_hash(parameter_vector(pl_module, layout)),
-            "module": {
+            names.ATTR_RUN_NAME: self.run_name,
+            names.ATTR_CONFIG: self.config,
+            names.ATTR_LAYOUT: layout.to_dict(),
+            names.ATTR_THETA0_SHA256: vector_hash(parameter_vector(pl_module, layout)),
+            names.ATTR_MODULE: {
                 "class_path": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
                 "init_args": json.loads(json.dumps(hparams, default=str)),
             },
-            "probes": [
+            names.ATTR_PROBES: [
                 {"class": type(p).__name__, "name": p.name, "every_n_steps": p.every_n_steps}
                 for p in self.probes
             ],
-            "versions": {
+            names.ATTR_VERSIONS: {
                 "dynamics": dynamics.__version__,
                 "torch": torch.__version__,
                 "pytorch_lightning": pl.__version__,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dynamics.errors import DynamicsError
-from dynamics.store import Run
+from dynamics.store import Run, names
 
 
 def rebuild_module(run: Run) -> nn.Module:
@@ -19,7 +19,7 @@ def rebuild_module(run: Run) -> nn.Module:
         DynamicsError: the class cannot be imported or instantiated from the recorded args
             (e.g. a module whose ``__init__`` takes objects that were not saved as hparams).
     """
-    spec = run.attrs.get("module") or {}
+    spec = run.attrs.get(names.ATTR_MODULE) or {}
     class_path = spec.get("class_path", "")
     module_name, _, class_name = class_path.rpartition(".")
     try:
@@ -32,7 +32,7 @@ def rebuild_module(run: Run) -> nn.Module:
         ) from None
     from dynamics.params import load_vector
 
-    theta0 = run.vector("theta0")
+    theta0 = run.vector(names.THETA0)
     if theta0 is None or run.layout is None:
         raise DynamicsError(f"{run.path.name}: no θ0 or parameter layout recorded")
     try:
@@ -48,11 +48,11 @@ def probe_batch(run: Run) -> Any:
     Raises:
         DynamicsError: the run stores no probe batch.
     """
-    names = sorted(
-        (n for n in run.vector_names if n.startswith("probe_batch.")),
+    leaf_names = sorted(
+        (n for n in run.vector_names if n.startswith(names.PROBE_BATCH_PREFIX)),
         key=lambda n: int(n.rpartition(".")[2]),
     )
-    leaves = [run.vector(n) for n in names]
+    leaves = [run.vector(n) for n in leaf_names]
     if not leaves or any(leaf is None for leaf in leaves):
         raise DynamicsError(f"{run.path.name}: no probe batch stored (record with GradientPlane)")
     tensors = tuple(torch.from_numpy(leaf) for leaf in leaves)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from dynamics import open_run
-from dynamics.analysis.plane import plane_from_gradients
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.loss_rule import module_loss
 from dynamics.params import ParameterLayout, parameter_vector
+from dynamics.plane import plane_from_gradients
 from dynamics.rebuild import probe_batch, rebuild_module
 
 ARCH = dict(width=8, expansion=2, depth=2)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from dynamics.hessian import (
+from dynamics.curvature import (
     HessianOperator,
     broadened_density,
     hutch_plus_plus,

@@ -18,8 +18,8 @@ from torch import nn
 
 from dynamics.callbacks import DynamicsRecorder
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
+from dynamics.curvature import top_eigenvalues
 from dynamics.experiments.teacher_student import TeacherStudentModule
-from dynamics.hessian import top_eigenvalues
 from dynamics.params import flatten
 
 

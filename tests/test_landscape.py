@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dynamics.analysis.landscape import LossSurface, evaluate_grid
-from dynamics.analysis.plane import Grid, Plane, plane_from_gradients
 from dynamics.params import ParameterLayout, parameter_vector
+from dynamics.plane import Grid, Plane, plane_from_gradients
 
 
 class Regressor(nn.Module):

@@ -1,10 +1,11 @@
-"""Planes, projections, the out-of-plane view and grids (dynamics.analysis.plane)."""
+"""Planes, projections, the out-of-plane view and grids (dynamics.plane)."""
 
 import numpy as np
 import pytest
 import torch
 
-from dynamics.analysis.plane import (
+from dynamics.params import ParameterLayout
+from dynamics.plane import (
     Grid,
     Plane,
     covering_grid,
@@ -14,7 +15,6 @@ from dynamics.analysis.plane import (
     project,
     random_filter_normalized_plane,
 )
-from dynamics.params import ParameterLayout
 
 N = 500
 

@@ -1,4 +1,8 @@
-"""Curvature of a scalar loss: one operator (Hessian-vector products), algorithms on it."""
+"""Curvature of a scalar loss: one operator (Hessian-vector products), algorithms on it.
+
+Start with :func:`top_eigenvalues`; every algorithm takes a :class:`LinearOperator`, of which
+:class:`HessianOperator` is the one built from a loss closure.
+"""
 
 from dynamics.curvature.density import SpectralDensity, broadened_density, spectral_density
 from dynamics.curvature.eigenpairs import Eigenpairs
@@ -6,6 +10,7 @@ from dynamics.curvature.operator import HessianOperator, LinearOperator
 from dynamics.curvature.power import power_iteration
 from dynamics.curvature.pyhessian_backend import pyhessian_eigenpairs
 from dynamics.curvature.restarted_lanczos import lanczos
+from dynamics.curvature.top_eigenvalues import top_eigenvalues
 from dynamics.curvature.trace import TraceEstimate, hutch_plus_plus, hutchinson
 
 __all__ = [
@@ -21,4 +26,5 @@ __all__ = [
     "power_iteration",
     "pyhessian_eigenpairs",
     "spectral_density",
+    "top_eigenvalues",
 ]

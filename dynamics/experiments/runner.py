@@ -12,7 +12,6 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from dynamics.analysis.plane import Plane, plane_from_gradients
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,
@@ -22,11 +21,12 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.callbacks.gradient_plane import initial_gradient
 from dynamics.errors import DynamicsError
 from dynamics.experiments.config import TeacherStudentConfig
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+from dynamics.initial_gradient import initial_gradient
 from dynamics.params import ParameterLayout, parameter_vector
+from dynamics.plane import Plane, plane_from_gradients
 from dynamics.store import open_run
 
 #: Train losses averaged for the summary's "final train loss" (single batches are noisy).

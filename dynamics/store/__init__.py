@@ -1,7 +1,8 @@
 """The run-file store: one HDF5 file per run (schema, writer, reader)."""
 
+from dynamics.store import names
 from dynamics.store.reader import Run, Series, open_run
-from dynamics.store.schema import SCHEMA, SCHEMA_VERSION, RunFileError, SeriesSpec
+from dynamics.store.schema import SCHEMA, SCHEMA_VERSION, RunFileError, SeriesSpec, View
 from dynamics.store.writer import RunWriter
 
 __all__ = [
@@ -12,5 +13,7 @@ __all__ = [
     "RunWriter",
     "Series",
     "SeriesSpec",
+    "View",
+    "names",
     "open_run",
 ]

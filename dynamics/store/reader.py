@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import h5py
 import numpy as np
 
+from dynamics.store import names
 from dynamics.store.schema import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -23,6 +24,7 @@ from dynamics.store.schema import (
     UNWRITTEN_STEP,
     VECTORS,
     RunFileError,
+    View,
     decode_attr,
 )
 
@@ -38,11 +40,13 @@ class Series:
         step: optimizer steps, strictly increasing, shape (n,).
         values: ``{name: array of shape (n, *row_shape)}``.
         columns: ``{name: names of the last axis}`` for series that name it.
+        views: ``{name: how it is drawn}`` for series that declared a view.
     """
 
     step: np.ndarray
     values: dict[str, np.ndarray]
     columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    views: dict[str, View] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.step)
@@ -64,17 +68,17 @@ class Run:
 
     @property
     def config(self) -> dict[str, Any]:
-        return self.attrs.get("config") or {}
+        return self.attrs.get(names.ATTR_CONFIG) or {}
 
     @property
     def name(self) -> str:
-        return self.attrs.get("run_name") or self.path.stem
+        return self.attrs.get(names.ATTR_RUN_NAME) or self.path.stem
 
     @cached_property
     def layout(self) -> ParameterLayout | None:
         from dynamics.params import ParameterLayout  # torch, which offline summaries never need
 
-        data = self.attrs.get("layout")
+        data = self.attrs.get(names.ATTR_LAYOUT)
         return ParameterLayout.from_dict(data) if data else None
 
     def series(self, group: str) -> Series:
@@ -114,7 +118,9 @@ class Run:
             "run_name": self.name,
             "series": series,
             "vectors": {n: list(s) for n, s in self._vector_shapes.items()},
-            "attrs": {k: v for k, v in self.attrs.items() if k not in ("schema", "layout")},
+            "attrs": {
+                k: v for k, v in self.attrs.items() if k not in ("schema", names.ATTR_LAYOUT)
+            },
         }
 
 
@@ -172,8 +178,13 @@ def _read_series(group: h5py.Group) -> Series:
     increasing = np.concatenate([[True], np.diff(step[:n]) > 0])
     n = int(np.argmin(written & increasing)) if not (written & increasing).all() else n
     columns = {
-        name: tuple(decode_attr(group[name].attrs["columns"]))
+        name: tuple(decode_attr(group[name].attrs[names.ATTR_COLUMNS]))
         for name in values
-        if "columns" in group[name].attrs
+        if names.ATTR_COLUMNS in group[name].attrs
     }
-    return Series(step[:n], {k: v[:n] for k, v in values.items()}, columns)
+    views = {
+        name: View.from_dict(decode_attr(group[name].attrs[names.ATTR_VIEW]))
+        for name in values
+        if names.ATTR_VIEW in group[name].attrs
+    }
+    return Series(step[:n], {k: v[:n] for k, v in values.items()}, columns, views)

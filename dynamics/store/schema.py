@@ -6,14 +6,17 @@ Layout of a run file (HDF5, one per run)::
                                    theta0_sha256, module (JSON strings where structured)
     /series/<group>/step    int64 (n,), the optimizer step of each row, strictly increasing
     /series/<group>/<name>  (n, *shape) one row per recorded step; attr ``columns`` when the
-                            last axis is named (layers, parameter tensors)
+                            last axis is named (layers, parameter tensors), attr ``view`` when
+                            the series is drawn (see :class:`View`)
     /vectors/<name>         vectors written once: θ0, θ_T, initial gradients, probe batches
 
 Every series group has its own ``step`` dataset because probes record on their own schedules.
+The names of groups, series, vectors and attributes are in :mod:`dynamics.store.names`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -32,13 +35,52 @@ LIBVER = ("v110", "v110")
 UNWRITTEN_STEP = -1
 
 
+#: How a series can be drawn over steps (see :class:`View`).
+VIEW_KINDS = ("scalar", "lines", "panels", "heatmap")
+
+
+@dataclass(frozen=True)
+class View:
+    """How a series is drawn, stored with it so a report draws any probe's series unchanged.
+
+    Attributes:
+        kind: ``"scalar"`` (one value per step: one line), ``"lines"`` (one line per column,
+            overlaid), ``"panels"`` (one small panel per column, e.g. per layer) or
+            ``"heatmap"`` (a row is a vector: steps × entries as colour).
+        title: the figure's title.
+        y_label: the value axis's label (for a heatmap: the colour bar's).
+        log_y: draw the values on a log scale.
+        units: units of the values, shown beside the label (empty when unitless).
+    """
+
+    kind: str
+    title: str
+    y_label: str = ""
+    log_y: bool = False
+    units: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in VIEW_KINDS:
+            raise ValueError(f"view kind must be one of {', '.join(VIEW_KINDS)}, got {self.kind!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> View:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
 @dataclass(frozen=True)
 class SeriesSpec:
-    """Shape (per row) and dtype of one series; ``columns`` names the last axis."""
+    """Shape (per row) and dtype of one series; ``columns`` names the last axis, ``view`` says
+    how it is drawn (None: not drawn, e.g. parameter snapshots)."""
 
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
     columns: tuple[str, ...] | None = None
+    view: View | None = None
 
 
 class RunFileError(DynamicsError):

@@ -17,6 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from dynamics.store import names
 from dynamics.store.schema import (
     LIBVER,
     SCHEMA,
@@ -213,7 +214,9 @@ def _create_group(group: h5py.Group, specs: Mapping[str, Any]) -> None:
             fillvalue=_unfilled(spec.dtype),
         )
         if spec.columns is not None:
-            dataset.attrs["columns"] = encode_attr(list(spec.columns))
+            dataset.attrs[names.ATTR_COLUMNS] = encode_attr(list(spec.columns))
+        if spec.view is not None:
+            dataset.attrs[names.ATTR_VIEW] = encode_attr(spec.view.to_dict())
 
 
 def _unfilled(dtype: str) -> float | int:

@@ -8,6 +8,7 @@ first plane. Random filter-normalized planes (Li et al. 2018) and PCA planes of 
 snapshots are built the same way, so the views can be compared.
 
 All arithmetic is float64 whatever the dtype of the vectors given, and nothing given is mutated.
+Bad vectors raise :class:`~dynamics.errors.DynamicsError` (a ``ValueError``) with one line.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
-from sklearn.decomposition import PCA
 
+from dynamics.errors import DynamicsError
 from dynamics.params import ParameterLayout
 
 #: Largest deviation of a plane's Gram matrix from the identity that still counts as orthonormal.
@@ -44,7 +45,7 @@ class Plane:
             ``"pca"``, ``"out-of-plane"``, or anything a caller chooses.
         metadata: JSON-compatible facts about the construction (see each constructor).
 
-    The vectors are stored as read-only float64 copies; construction raises ``ValueError`` if
+    The vectors are stored as read-only float64 copies; construction raises ``DynamicsError`` if
     their sizes differ, an entry is not finite, or (u, v) is not orthonormal to
     :data:`ORTHONORMAL_TOLERANCE`.
     """
@@ -62,7 +63,7 @@ class Plane:
         gram = np.array([[u @ u, u @ v], [u @ v, v @ v]])
         deviation = float(np.max(np.abs(gram - np.eye(2))))
         if deviation > ORTHONORMAL_TOLERANCE:
-            raise ValueError(
+            raise DynamicsError(
                 f"plane basis is not orthonormal: its Gram matrix is {deviation:.3g} from identity"
             )
         for name, vector in vectors.items():
@@ -102,11 +103,11 @@ class Grid:
         for name in ("alphas", "betas"):
             axis = np.array(getattr(self, name), dtype=np.float64)
             if axis.ndim != 1 or axis.size < 2:
-                raise ValueError(
+                raise DynamicsError(
                     f"grid needs at least 2 {name} in a flat sequence, got shape {axis.shape}"
                 )
             if not np.all(np.isfinite(axis)) or not np.all(np.diff(axis) > 0):
-                raise ValueError(f"grid {name} must be finite and strictly increasing")
+                raise DynamicsError(f"grid {name} must be finite and strictly increasing")
             axis.setflags(write=False)
             object.__setattr__(self, name, axis)
 
@@ -136,7 +137,7 @@ def plane_from_gradients(theta0: ArrayLike, g_a: ArrayLike, g_b: ArrayLike) -> P
         ``cosine`` (cosine of the angle between the gradients).
 
     Raises:
-        ValueError: if the sizes differ, a gradient is zero or not finite, or the gradients
+        DynamicsError: if the sizes differ, a gradient is zero or not finite, or the gradients
             are collinear (sine of their angle below :data:`COLLINEAR_TOLERANCE`).
     """
     theta0 = _as_vector(theta0, "theta0")
@@ -145,12 +146,12 @@ def plane_from_gradients(theta0: ArrayLike, g_a: ArrayLike, g_b: ArrayLike) -> P
     norm_a, norm_b = float(np.linalg.norm(g_a)), float(np.linalg.norm(g_b))
     for name, norm in (("g_a", norm_a), ("g_b", norm_b)):
         if norm == 0.0:
-            raise ValueError(f"{name} is zero: a zero gradient spans no direction")
+            raise DynamicsError(f"{name} is zero: a zero gradient spans no direction")
     u = g_a / norm_a
     v, sine = _orthonormalized(g_b, [u])
     cosine = float(g_a @ g_b) / (norm_a * norm_b)
     if sine < COLLINEAR_TOLERANCE:
-        raise ValueError(f"g_a and g_b are collinear (cosine {cosine:+.9f}): they span no plane")
+        raise DynamicsError(f"g_a and g_b are collinear (cosine {cosine:+.9f}): they span no plane")
     return Plane(theta0, u, v, "gradients", {"norm_a": norm_a, "norm_b": norm_b, "cosine": cosine})
 
 
@@ -175,21 +176,23 @@ def random_filter_normalized_plane(theta0: ArrayLike, layout: ParameterLayout, s
         seed: seed of the random directions.
 
     Raises:
-        ValueError: if ``theta0`` does not match ``layout``, or every filter of θ0 is zero.
+        DynamicsError: if ``theta0`` does not match ``layout``, or every filter of θ0 is zero.
     """
     theta0 = _as_vector(theta0, "theta0")
     if theta0.size != layout.size:
-        raise ValueError(f"theta0 has {theta0.size} entries, layout has {layout.size}")
+        raise DynamicsError(f"theta0 has {theta0.size} entries, layout has {layout.size}")
     rng = np.random.default_rng(seed)
     d1 = _filter_normalized(rng.standard_normal(layout.size), theta0, layout)
     d2 = _filter_normalized(rng.standard_normal(layout.size), theta0, layout)
     norm_d1 = float(np.linalg.norm(d1))
     if norm_d1 == 0.0:
-        raise ValueError("theta0 has no nonzero filter of two or more dimensions to normalize by")
+        raise DynamicsError(
+            "theta0 has no nonzero filter of two or more dimensions to normalize by"
+        )
     u = d1 / norm_d1
     v, sine = _orthonormalized(d2, [u])
     if sine < COLLINEAR_TOLERANCE:
-        raise ValueError(
+        raise DynamicsError(
             "the filter-normalized directions are collinear: theta0 has too few weights"
         )
     coordinates = [[norm_d1, 0.0], [float(d2 @ u), float(d2 @ v)]]
@@ -218,21 +221,23 @@ def pca_plane(theta0: ArrayLike, snapshots: ArrayLike) -> Plane:
         shares of the displacements' variance) and ``num_snapshots``.
 
     Raises:
-        ValueError: on a size mismatch, fewer than 3 snapshots, non-finite entries, or
+        DynamicsError: on a size mismatch, fewer than 3 snapshots, non-finite entries, or
             snapshots that move along fewer than two directions.
     """
     theta0 = _as_vector(theta0, "theta0")
     displacements = _as_matrix(snapshots, "snapshots") - theta0
     if displacements.shape[1] != theta0.size:
-        raise ValueError(
+        raise DynamicsError(
             f"snapshots have {displacements.shape[1]} entries per row, theta0 has {theta0.size}"
         )
     if displacements.shape[0] < 3:
-        raise ValueError(f"a PCA plane needs at least 3 snapshots, got {displacements.shape[0]}")
+        raise DynamicsError(f"a PCA plane needs at least 3 snapshots, got {displacements.shape[0]}")
+    from sklearn.decomposition import PCA  # ~0.35 s to import; only this plane needs it
+
     pca = PCA(n_components=2, svd_solver="full").fit(displacements)
     variance = pca.explained_variance_
     if not variance[1] > NEGLIGIBLE_FRACTION * variance[0]:
-        raise ValueError("snapshots move along fewer than two directions: they span no plane")
+        raise DynamicsError("snapshots move along fewer than two directions: they span no plane")
     u, _ = _orthonormalized(pca.components_[0], [])
     v, _ = _orthonormalized(pca.components_[1], [u])
     final = displacements[-1]
@@ -264,7 +269,7 @@ def project(plane: Plane, thetas: ArrayLike) -> tuple[np.ndarray, np.ndarray, np
         ``(a, b, r)``, float64 arrays of shape ``thetas.shape[:-1]``.
 
     Raises:
-        ValueError: if a vector's size differs from the plane's or an entry is not finite.
+        DynamicsError: if a vector's size differs from the plane's or an entry is not finite.
     """
     if isinstance(thetas, torch.Tensor):
         thetas = thetas.detach().cpu().numpy()
@@ -298,7 +303,7 @@ def out_of_plane_view(plane: Plane, theta_final: ArrayLike) -> tuple[Plane, floa
         ``parent_kind``), and the share of ‖θT − θ0‖² inside ``plane``.
 
     Raises:
-        ValueError: on a size mismatch, or when the displacement is zero, lies inside the
+        DynamicsError: on a size mismatch, or when the displacement is zero, lies inside the
             plane, or is orthogonal to it (then p̂ or w is undefined).
     """
     d = _as_vector(theta_final, "theta_final")
@@ -306,14 +311,14 @@ def out_of_plane_view(plane: Plane, theta_final: ArrayLike) -> tuple[Plane, floa
     d -= plane.origin
     total = float(d @ d)
     if total == 0.0:
-        raise ValueError("theta_final equals the plane's origin: there is no displacement")
+        raise DynamicsError("theta_final equals the plane's origin: there is no displacement")
     a, b = float(d @ plane.u), float(d @ plane.v)
     in_plane_norm = float(np.hypot(a, b))
     w, out_fraction = _orthonormalized(d, [plane.u, plane.v])
     if out_fraction < NEGLIGIBLE_FRACTION:
-        raise ValueError("the displacement lies inside the plane: it has no out-of-plane part")
+        raise DynamicsError("the displacement lies inside the plane: it has no out-of-plane part")
     if in_plane_norm < NEGLIGIBLE_FRACTION * np.sqrt(total):
-        raise ValueError("the displacement is orthogonal to the plane: it has no in-plane part")
+        raise DynamicsError("the displacement is orthogonal to the plane: it has no in-plane part")
     p_hat = (a * plane.u + b * plane.v) / in_plane_norm
     share = (a * a + b * b) / total
     metadata = {
@@ -345,20 +350,20 @@ def covering_grid(
         margin: extra fraction of each axis's range added on both sides, ≥ 0.
 
     Raises:
-        ValueError: if an axis gets fewer than 2 points, ``margin`` is negative, a coordinate
+        DynamicsError: if an axis gets fewer than 2 points, ``margin`` is negative, a coordinate
             is not finite, or nothing moves at all.
     """
     if not margin >= 0:
-        raise ValueError(f"margin must be >= 0, got {margin}")
+        raise DynamicsError(f"margin must be >= 0, got {margin}")
     pairs = [(np.ravel(a), np.ravel(b)) for a, b in trajectories]
     a = np.concatenate([[0.0], *(a for a, _ in pairs)]).astype(np.float64)
     b = np.concatenate([[0.0], *(b for _, b in pairs)]).astype(np.float64)
     if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        raise ValueError("trajectory coordinates must be finite")
+        raise DynamicsError("trajectory coordinates must be finite")
     ranges = [(axis.min(), axis.max()) for axis in (a, b)]
     extent = max(hi - lo for lo, hi in ranges)
     if extent == 0.0:
-        raise ValueError("the trajectories never leave the origin: nothing to cover")
+        raise DynamicsError("the trajectories never leave the origin: nothing to cover")
     axes = []
     for (lo, hi), num in zip(ranges, (num_alphas, num_betas)):
         if hi == lo:
@@ -404,9 +409,9 @@ def _as_vector(x: ArrayLike, name: str) -> np.ndarray:
     array = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
     array = np.array(array, dtype=np.float64)
     if array.ndim != 1:
-        raise ValueError(f"{name} must be a flat parameter vector, got shape {array.shape}")
+        raise DynamicsError(f"{name} must be a flat parameter vector, got shape {array.shape}")
     if not np.all(np.isfinite(array)):
-        raise ValueError(f"{name} has non-finite entries")
+        raise DynamicsError(f"{name} has non-finite entries")
     return array
 
 
@@ -414,9 +419,11 @@ def _as_matrix(x: ArrayLike, name: str) -> np.ndarray:
     array = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
     array = np.array(array, dtype=np.float64)
     if array.ndim != 2:
-        raise ValueError(f"{name} must have one parameter vector per row, got shape {array.shape}")
+        raise DynamicsError(
+            f"{name} must have one parameter vector per row, got shape {array.shape}"
+        )
     if not np.all(np.isfinite(array)):
-        raise ValueError(f"{name} has non-finite entries")
+        raise DynamicsError(f"{name} has non-finite entries")
     return array
 
 
@@ -424,4 +431,4 @@ def _check_sizes(**vectors: np.ndarray) -> None:
     sizes = {name: vector.size for name, vector in vectors.items()}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{name} {size}" for name, size in sizes.items())
-        raise ValueError(f"vector sizes differ ({listed}): not the same parameter layout")
+        raise DynamicsError(f"vector sizes differ ({listed}): not the same parameter layout")

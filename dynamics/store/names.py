@@ -1,0 +1,71 @@
+"""Every name a run file uses, defined once: the writers (recorder, probes) and the readers
+(analysis, experiments, CLI) import these instead of repeating string literals.
+
+A group is a set of series sharing one ``step`` index; each group's series names follow it.
+A user's own probe may add groups of any other name.
+"""
+
+# Root attributes.
+ATTR_RUN_NAME = "run_name"
+ATTR_CONFIG = "config"
+ATTR_VERSIONS = "versions"
+ATTR_LAYOUT = "layout"
+ATTR_THETA0_SHA256 = "theta0_sha256"
+ATTR_MODULE = "module"  # {"class_path": ..., "init_args": {...}}
+ATTR_PROBES = "probes"  # [{"class", "name", "every_n_steps"}, ...]
+
+# Per-dataset attributes.
+ATTR_COLUMNS = "columns"  # names of a series' last axis
+ATTR_VIEW = "view"  # how a series is drawn (schema.View as JSON)
+
+# Vectors, written once.
+THETA0 = "theta0"
+THETA_FINAL = "theta_final"
+G0 = "g0"
+PLANE_U = "plane_u"
+PLANE_V = "plane_v"
+PROBE_BATCH_PREFIX = "probe_batch."  # probe_batch.<i>: the i-th tensor leaf of the batch
+
+
+def float_bits(probe: str) -> str:
+    """The vector holding the float width (32/64) a probe's extra passes computed in."""
+    return f"{probe}_float_bits"
+
+
+# Series groups and their series.
+LOSS = "loss"
+LOSS_TRAIN = "train"
+
+VALIDATION = "validation"  # one series per logged key
+VAL_LOSS = "val_loss"  # the held-out loss, when the module logs it under this name
+
+HIDDEN_NORMS = "hidden_norms"
+HIDDEN_NORM = "norm"
+
+ACTIVATION_BIAS = "activation_bias"
+ACTIVATION_MEAN = "mean"
+
+DISPLACEMENT = "displacement"
+DISPLACEMENT_TOTAL = "total"
+DISPLACEMENT_PER_TENSOR = "per_tensor"
+DISPLACEMENT_UPDATE = "update"
+
+SNAPSHOTS = "snapshots"
+SNAPSHOT_THETA = "theta"
+
+HESSIAN = "hessian"
+HESSIAN_EIGENVALUES = "eigenvalues"
+HESSIAN_RESIDUALS = "residuals"
+HESSIAN_CONVERGED = "converged"
+HESSIAN_N_HVP = "n_hvp"
+HESSIAN_LOSS = "loss"
+HESSIAN_TRACE = "trace"
+HESSIAN_TRACE_STDERR = "trace_stderr"
+HESSIAN_GRADIENT_SHARE = "gradient_share"
+HESSIAN_DENSITY_NODES = "density_nodes"
+HESSIAN_DENSITY_WEIGHTS = "density_weights"
+
+PLANE = "plane"
+PLANE_A = "a"
+PLANE_B = "b"
+PLANE_R = "r"
