@@ -5,7 +5,7 @@ from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.logged_metrics import LoggedMetrics
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
-from dynamics.callbacks.probe import Probe, SeriesSpec
+from dynamics.callbacks.probe import Probe, ProbeUnavailable, SeriesSpec
 from dynamics.callbacks.recorder import DynamicsRecorder
 from dynamics.callbacks.training_loss import TrainingLoss
 
@@ -17,6 +17,7 @@ __all__ = [
     "LoggedMetrics",
     "ParameterDisplacement",
     "Probe",
+    "ProbeUnavailable",
     "SeriesSpec",
     "TrainingLoss",
 ]

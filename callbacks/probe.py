@@ -24,6 +24,14 @@ _SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 Rows = dict[str, dict[str, torch.Tensor | np.ndarray | float]]
 
 
+class ProbeUnavailable(Exception):
+    """A probe cannot measure correctly on this model or run (the message says why).
+
+    Raised from any probe hook; the recorder records the reason in the run file, warns once,
+    disables the probe and lets training go on: a missing number, never a wrong one.
+    """
+
+
 class Probe:
     """Base class: override what the measurement needs; every hook is optional.
 
@@ -54,6 +62,11 @@ class Probe:
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
         """Values of declared vectors known at setup (θ0, a probe batch); called after it."""
+        return {}
+
+    def settings(self) -> dict[str, Any]:
+        """What this probe measured and how, as JSON-compatible values, stored in the run file
+        beside its class and schedule (e.g. which modules it hooked); called after setup."""
         return {}
 
     def is_due(self, step: int) -> bool:

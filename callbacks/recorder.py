@@ -214,7 +214,12 @@ class DynamicsRecorder(Callback):
                 "init_args": json.loads(json.dumps(hparams, default=str)),
             },
             names.ATTR_PROBES: [
-                {"class": type(p).__name__, "name": p.name, "every_n_steps": p.every_n_steps}
+                {
+                    "class": type(p).__name__,
+                    "name": p.name,
+                    "every_n_steps": p.every_n_steps,
+                    "settings": p.settings(),
+                }
                 for p in self.probes
             ],
             names.ATTR_VERSIONS: {
