@@ -1,39 +1,13 @@
 """Overshoot detector: does a residual-stream norm rise and then fall while the loss drops fastest?
 
-The signature (seed paper, Fig. 2 bottom and Fig. 7a) is a hidden-state magnitude that climbs to a
-peak and then settles on a lower plateau, with the peak inside the window of fastest loss
-reduction; the shifted model's magnitude evolves monotonically instead. This module judges one or
-many recorded norm series against that signature. It is pure numpy and scikit-learn, so it runs
-on anything a run file holds, for any model.
-
-Smoothing rule (applies to norms and loss alike): a centred moving average over records (not
-steps) with half-width ``h = max(1, round(smooth_fraction * n))`` for ``n`` finite records,
-truncated at the ends. Records rather than steps, because recording schedules are denser where
-the curve moves fastest (log-spaced schedules put many records early), so a window in records
-keeps the resolution the schedule chose. The truncated moving average maps a monotone series to
-a monotone series, so smoothing never invents an overshoot. Because the window is a fixed
-fraction of the series, the number of independent windows (about ``1 / (2 * smooth_fraction)``)
-and hence the chance that noise alone produces a tall smoothed maximum, does not grow with run
-length.
-
-Noise rule: the noise left in the smoothed curve is the larger of two estimates, both built on
-second differences, which cancel any locally linear trend so that a steep but smooth curve does
-not count as noise.
-
-1. White: ``sqrt(mean(d2 ** 2) / 6) / sqrt(w)`` over the second differences ``d2`` of the raw
-   records, ``w = 2h + 1`` (white noise of deviation ``sigma`` gives ``d2`` a variance of
-   ``6 sigma ** 2``, and a ``w``-record mean divides it by ``w``). It is a root mean square, not a
-   MAD, because the moving average feels heavy-tailed noise at its full variance: with a MAD,
-   pure Student-t noise (2 degrees of freedom) passed as an overshoot in 10-30% of simulated
-   series. An isolated spike therefore makes the detector more cautious, never less.
-2. Lagged: ``1.4826 * MAD(s[i + w] - 2 s[i] + s[i - w]) / sqrt(6)`` over the smoothed curve
-   ``s``, whose three windows are disjoint. It measures noise at the smoothing scale directly, so
-   it sees autocorrelated wander that the record-to-record estimate misses (AR(1) noise with
-   coefficient 0.5 passed as an overshoot in up to half of long pure-noise series without it).
-   The median keeps a real peak's curvature out of it while that curvature spans a minority of
-   the windows; a curve bending over most of its length inflates it, which only makes the
-   detector more cautious. It needs at least ten disjoint windows, so it is used only for
-   ``n >= 12 w``.
+The signature (seed paper, Fig. 2 bottom and Fig. 7a) is a hidden-state magnitude that climbs to
+a peak and then settles on a lower plateau, with the peak inside the window of fastest loss
+reduction. Each layer's series is smoothed by a centred moving average over records (half-width
+a fixed fraction of the series), its noise estimated from second differences, and an overshoot
+needs a rise and a fall above ``min_snr`` times that noise plus a minimum non-monotonicity
+(isotonic-fit residual). Pure numpy and scikit-learn, so it runs on anything a run file holds.
+The smoothing and noise rules and the calibration of every threshold are derived in
+``docs/overshoot.md``.
 """
 
 from __future__ import annotations
@@ -62,37 +36,22 @@ Step = int | float
 class OvershootThresholds:
     """Knobs of the detector, reported with every result so a verdict can be reproduced.
 
+    Why each default has its value (simulations, false-positive rates) is in
+    ``docs/overshoot.md``.
+
     Attributes:
-        smooth_fraction: Half-width of the moving-average window as a fraction of the finite
-            records (see the module docstring). 0.02 gives a window of about 4% of the series:
-            it averages ~40 records of a 1000-record run, enough to cut white noise six-fold,
-            while the paper's overshoot, which spans a sizeable share of training, survives.
-        tail_fraction: The plateau is the median of the last ``tail_fraction`` of the finite
-            records, and the peak must come before that tail. 0.2: long enough for a robust
-            median, short enough that an overshoot in the first four fifths of a run counts.
-        min_points: Fewer finite records than this gives the verdict ``"too_short"``. 10: below
-            that the noise estimate rests on fewer than eight second differences and each leg of
-            a rise-peak-fall has only a few records.
-        min_snr: Both the rise (peak over start) and the fall (peak over plateau) must exceed
-            ``min_snr`` times the noise of the smoothed curve. 5: the smoothed maximum of pure
-            noise over ~25 independent windows sits 2-3 noise units high, and the noise
-            estimate itself scatters on short series. In simulation (200-300 seeded series per
-            cell) pure white noise, Gaussian or Student-t with 2 degrees of freedom, passed in at
-            most 2% of series of 10 to 10,000 records, and AR(1) noise with coefficient 0.5 in at
-            most 1.5% from 40 records on; a fall of three raw-noise deviations was found in 87%
-            of 100-record series and in all of 200, a fall of two in 81% at 200 and all at 1,000.
-        min_nonmonotonicity: The non-monotonicity score (RMS residual of the best isotonic fit,
-            increasing or decreasing, to the smoothed series, over its range) must reach this.
-            0.02: a curve that rises, then gives back a fraction ``f`` of its range and stays
-            down scores about ``0.23 f``, so 0.02 asks for a give-back of about 9%; smaller
-            scores are the sags and bumps of a few percent a monotone curve shows when
-            learning-rate changes ripple through it.
-        min_relative_drop: The fall must be at least this fraction of the peak value. 0.01: a
-            one-percent dip of a norm is invisible on the paper's plots, and a noiseless series
-            that is flat up to such ripples would otherwise count on shape alone.
-        window_fraction: The loss window is the contiguous run of records around the steepest
-            descent where the slope of the smoothed log-loss is at least this fraction of the
-            steepest slope. 0.5: the full width at half maximum, the usual width of a peak.
+        smooth_fraction: half-width of the moving-average window, as a fraction of the finite
+            records (0.02: a window of about 4% of the series).
+        tail_fraction: the plateau is the median of this last fraction of the finite records,
+            and the peak must come before it.
+        min_points: fewer finite records than this give the verdict ``"too_short"``.
+        min_snr: the rise (peak over start) and the fall (peak over plateau) must each exceed
+            this many noise deviations of the smoothed curve.
+        min_nonmonotonicity: least non-monotonicity score (RMS residual of the best isotonic
+            fit to the smoothed series, over its range).
+        min_relative_drop: least fall, as a fraction of the peak value.
+        window_fraction: the loss window is where the slope of the smoothed log-loss is at
+            least this fraction of the steepest slope (0.5: full width at half maximum).
     """
 
     smooth_fraction: float = 0.02

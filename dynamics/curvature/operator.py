@@ -3,16 +3,8 @@
 Every curvature algorithm in this package takes such an operator and nothing else, so each can
 be checked against a dense matrix and reused for any loss.
 
-How a product is computed (``benchmarks/bench_hessian.py``: the teacher–student residual MLP,
-133k parameters, batch 256, one CPU thread, torch 2.13; medians of 30, one gradient 7.0 ms):
-
-- gradient built once with ``create_graph=True``, every product a reverse pass through that
-  graph: 15.7 ms, 2.24 gradients — kept;
-- loss, gradient and product recomputed for every vector (double backward): 23.0 ms, 3.27;
-- ``torch.func`` forward-over-reverse, ``jvp(jacrev(f))``: 51.2 ms, 7.28; ``jvp(grad(f))``
-  fails on this model's ``F.mse_loss`` ("ZeroTensors are immutable");
-- the reused graph with 8 vectors per call (``is_grads_batched``): 15.9 ms per vector — no gain.
-
+Every product is a reverse pass through one gradient graph built with ``create_graph=True``:
+the cheapest of the ways measured (``docs/curvature.md``; ``benchmarks/bench_hessian.py``).
 Reusing the graph also fixes one dropout mask and one set of batch statistics for all products,
 so the operator is exactly symmetric even for a module in train mode.
 """
