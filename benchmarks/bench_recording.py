@@ -1,12 +1,15 @@
-"""Recording overhead: the default teacher–student run with and without the recorder.
+"""Recording overhead: a training run with and without the recorder, side by side.
 
-Runs the default config's unshifted student with the recorder (training loss, hidden-state norms
-and activation bias, displacement every step, snapshots within the default budget) and without
-it, alternating, in one process; prints the median wall-time ratio and the recorder's peak extra
-memory as a multiple of the model's parameter bytes. With ``--hessian`` the curvature probe (top-5
-every 50 steps) is timed too, when ``dynamics.callbacks.HessianSpectrum`` exists.
+Two workloads: the default teacher–student config's unshifted student, and a small character
+transformer (``dynamics.experiments.char_gpt``: 2 blocks, width 64, SDPA attention, 120k
+parameters, batch 32 × 64 bytes). Each is trained with the recorder (training loss,
+hidden-state norms and activation bias, displacement every step, snapshots within the budget)
+and without it, alternating, in one process; prints the median wall-time ratio and the
+recorder's peak extra memory as a multiple of the model's parameter bytes. With ``--hessian``
+the curvature probe (top-5 every 50 steps) is timed too.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 3]
+        [--workload teacher-student|char-gpt|both]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
+from dynamics.experiments.char_gpt import CharGPTModule, StdlibTextData
 from dynamics.experiments.config import load_config
 from dynamics.experiments.runner import _quiet_lightning
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
@@ -62,10 +66,25 @@ def _held(obj, own: set[int], seen: set[int]) -> int:
     return 0
 
 
-def train(config, probes, folder: Path, meter_memory: bool = False) -> tuple[float, int, int]:
+def workloads(config) -> dict[str, tuple]:
+    """``{name: (module factory, data factory)}`` of the workloads this benchmark times."""
+    return {
+        "teacher-student": (
+            lambda: TeacherStudentModule(
+                **vars(config.model), seed=config.seed, lr=config.optimizer.lr
+            ),
+            lambda: TeacherStudentData(**vars(config.model), batch_size=config.data.batch_size),
+        ),
+        "char-gpt": (CharGPTModule, StdlibTextData),
+    }
+
+
+def train(
+    workload: tuple, steps: int, probes, folder: Path, meter_memory: bool = False
+) -> tuple[float, int, int]:
     """Wall time of one fit, and (when metered, an untimed run) the recorder's peak bytes."""
-    module = TeacherStudentModule(**vars(config.model), seed=config.seed, lr=config.optimizer.lr)
-    data = TeacherStudentData(**vars(config.model), batch_size=config.data.batch_size)
+    make_module, make_data = workload
+    module, data = make_module(), make_data()
     callbacks: list[pl.Callback] = []
     meter = None
     if probes is not None:
@@ -75,7 +94,7 @@ def train(config, probes, folder: Path, meter_memory: bool = False) -> tuple[flo
             meter = HeldBytes(recorder)
             callbacks.append(meter)
     trainer = pl.Trainer(
-        max_steps=config.steps,
+        max_steps=steps,
         limit_val_batches=0,
         callbacks=callbacks,
         logger=False,
@@ -96,10 +115,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default: the config's steps")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--hessian", action="store_true", help="also time HessianSpectrum")
+    parser.add_argument(
+        "--workload", choices=("teacher-student", "char-gpt", "both"), default="both"
+    )
     args = parser.parse_args()
     config = load_config(CONFIG, steps=args.steps)
     torch.set_num_threads(config.threads)
     _quiet_lightning()
+    chosen = workloads(config)
+    if args.workload != "both":
+        chosen = {args.workload: chosen[args.workload]}
+    for name, workload in chosen.items():
+        print(f"== {name}", flush=True)
+        measure(workload, config.steps, args.reps, args.hessian)
+
+
+def measure(workload: tuple, steps: int, reps: int, hessian: bool) -> None:
+    """Alternate bare and recorded fits of one workload; print ratios and memory."""
 
     variants = {
         "recorder (loss, hidden norms, displacement every step)": lambda: [
@@ -113,7 +145,7 @@ def main() -> None:
             ParameterDisplacement(10, snapshot_budget_mb=32),
         ],
     }
-    if args.hessian:
+    if hessian:
         from dynamics.callbacks import HessianSpectrum
 
         variants["HessianSpectrum alone (top-5 every 50 steps)"] = lambda: [
@@ -123,29 +155,30 @@ def main() -> None:
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as folder:
-        train(config, None, Path(folder))  # warm-up: imports, allocator, first-call costs
+        train(workload, steps, None, Path(folder))  # warm-up: imports, allocator, first-call costs
         for name, probes in variants.items():
-            _, peaks[name], param_bytes = train(config, probes(), Path(folder), meter_memory=True)
-        for rep in range(args.reps):
-            bare, _, _ = train(config, None, Path(folder))
+            _, peaks[name], param_bytes = train(
+                workload, steps, probes(), Path(folder), meter_memory=True
+            )
+        for rep in range(reps):
+            bare, _, _ = train(workload, steps, None, Path(folder))
             times["bare"].append(bare)
             for name, probes in variants.items():
-                elapsed, _, _ = train(config, probes(), Path(folder))
+                elapsed, _, _ = train(workload, steps, probes(), Path(folder))
                 times[name].append(elapsed)
                 ratios[name].append(elapsed / bare)
             print(
-                f"rep {rep + 1}/{args.reps}: bare {bare:.1f} s, "
+                f"rep {rep + 1}/{reps}: bare {bare:.1f} s, "
                 + ", ".join(f"{times[n][-1]:.1f} s" for n in variants),
                 flush=True,
             )
     print(
-        f"\n{config.steps} steps, width {config.model.width}, depth {config.model.depth}, "
-        f"{param_bytes // 4} parameters ({param_bytes / 2**20:.2f} MiB), {args.reps} reps"
+        f"{steps} steps, {param_bytes // 4} parameters ({param_bytes / 2**20:.2f} MiB), {reps} reps"
     )
     for name in variants:
         print(
             f"{name}: wall-time ratio {statistics.median(ratios[name]):.3f}x "
-            f"(median of {args.reps}; range {min(ratios[name]):.3f}-{max(ratios[name]):.3f}); "
+            f"(median of {reps}; range {min(ratios[name]):.3f}-{max(ratios[name]):.3f}); "
             f"peak extra memory {peaks[name] / param_bytes:.2f}x parameter bytes"
         )
 
