@@ -31,6 +31,8 @@ class HessianSpectrum(Probe):
     the parameters in float32 (float64 if the model is float64), whatever the training
     precision; the vector ``hessian_float_bits`` in the run file states which, and the probe's
     settings in the file's ``probes`` attribute state the mode and where the loss came from.
+    Attention runs on the math backend of ``F.scaled_dot_product_attention``, the only one that
+    can be differentiated twice (:func:`~dynamics.curvature.operator.twice_differentiable`).
 
     In the default ``mode="eval"`` dropout is off and BatchNorm uses its running statistics, so
     the spectrum is a deterministic function of θ; ``mode="train"`` measures the loss as the
