@@ -9,17 +9,12 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.apply_func import move_data_to_device
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from dynamics.callbacks.probe import (
-    Probe,
-    Rows,
-    SeriesSpec,
-    detached_copy,
-    require_unsharded,
-)
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.initial_gradient import initial_gradient
+from dynamics.isolation import Mode
 from dynamics.params import ParameterLayout, flatten, parameter_vector, vector_hash
 from dynamics.plane import Plane, plane_from_gradients
 from dynamics.store import RunFileError, names, open_run
@@ -28,11 +23,19 @@ from dynamics.store import RunFileError, names, open_run
 class GradientPlane(Probe):
     """Stores g0 and the probe batch; records (a, b, r) of θt − θ0 on a known plane.
 
-    g0 is the gradient of the training loss (by the loss rule) at θ0 on a fixed probe batch — the
-    first training batch unless one is given — computed without touching ``.grad``, the RNG,
-    BatchNorm buffers or train/eval flags; under DDP it is the average over ranks. g0 and the
-    probe batch are stored (vectors ``g0`` and ``probe_batch.<i>``), so any two runs that share θ0
-    can later be compared on the plane of their initial gradients.
+    g0 is the gradient of the training loss (by the loss rule of :mod:`dynamics.loss_rule`) at
+    θ0 on a fixed probe batch — the first training batch unless one is given — with the module in
+    ``mode``, computed without touching ``.grad``, the RNG, BatchNorm buffers or train/eval flags;
+    under DDP it is the average over ranks. g0 and the probe batch are stored (vectors ``g0`` and
+    ``probe_batch.<i>``), so any two runs that share θ0 can later be compared on the plane of
+    their initial gradients; the probe's settings in the file's ``probes`` attribute state the
+    mode and where the loss came from. The default ``mode="eval"`` (dropout off, BatchNorm on its
+    running statistics) is the mode the plane's loss landscapes are drawn in.
+
+    When g0 cannot be measured the probe raises at setup rather than store a wrong vector, and
+    the recorder disables it and records why: :class:`~dynamics.callbacks.ProbeUnavailable` for a
+    manually optimized module without ``dynamics_loss`` (its training step would step the
+    optimizer), :class:`FloatingPointError` for a NaN or infinite g0.
 
     When the plane is known during the run, every ``every_n_steps`` the coordinates a, b of
     θt − θ0 on its orthonormal basis (u, v) and the norm r of the residual orthogonal to it are
@@ -43,8 +46,10 @@ class GradientPlane(Probe):
     Args:
         partner: a finished run file of the same θ0 whose ``g0`` spans the plane with ours.
         basis: an explicit plane (as ``dynamics run`` passes both students).
-        batch: the probe batch; default: the first training batch.
+        batch: the probe batch; default: a copy of the first training batch.
         every_n_steps: period of the (a, b, r) series.
+        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
+            while g0 is taken.
     """
 
     name = names.PLANE
@@ -55,26 +60,34 @@ class GradientPlane(Probe):
         basis: Plane | None = None,
         batch: Any = None,
         every_n_steps: int = 1,
+        mode: Mode = "eval",
     ) -> None:
         super().__init__(every_n_steps)
         if partner is not None and basis is not None:
             raise ValueError("give GradientPlane a partner run or a basis, not both")
         self.partner = Path(partner) if partner is not None else None
         self.plane = basis
-        self._batch = batch
+        self._loss = ProbeLoss("GradientPlane", mode, batch)
+        # Known from setup on (or, for g0 and θ0, from a checkpoint's state).
+        self.layout: ParameterLayout | None = None
+        self._params: list[torch.Tensor] = []
         self._g0: torch.Tensor | None = None
+        self._theta0: torch.Tensor | None = None
+        self._u: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
         self._row: dict[str, torch.Tensor] | None = None  # coordinates of θ_step, taken pre-update
 
+    @property
+    def mode(self) -> Mode:
+        return self._loss.mode
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        require_unsharded(trainer, "GradientPlane")
+        self._loss.setup(trainer, pl_module, batch)
         self.layout = ParameterLayout.of(pl_module)
         self._params = self.layout.parameters(pl_module)
-        if self._batch is None:
-            self._batch = detached_copy(batch)
-        self._batch = move_data_to_device(self._batch, pl_module.device)
         if self._g0 is None:  # a resumed fit restored g0 and θ0 from the checkpoint
             self._theta0 = parameter_vector(pl_module, self.layout)
-            self._g0 = initial_gradient(pl_module, self._batch, self.layout)
+            self._g0 = initial_gradient(pl_module, self._loss.batch, self.layout, self.mode)
         if self.partner is not None and self.plane is None:
             self.plane = self._plane_with_partner()
         if self.plane is not None:
@@ -95,6 +108,9 @@ class GradientPlane(Probe):
         }
 
     def vectors(self) -> dict[str, SeriesSpec]:
+        """g0, the probe batch and the plane; none before setup, which finds their sizes."""
+        if self.layout is None:
+            return {}
         size = (self.layout.size,)
         vectors = {names.G0: SeriesSpec(size)}
         for name, array in self._batch_arrays():
@@ -107,10 +123,15 @@ class GradientPlane(Probe):
         return vectors
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
+        if self._g0 is None:
+            return {}
         vectors = {names.G0: self._g0.cpu().numpy(), **dict(self._batch_arrays())}
         if self.plane is not None:
             vectors |= {names.PLANE_U: self.plane.u, names.PLANE_V: self.plane.v}
         return vectors
+
+    def settings(self) -> dict[str, Any]:
+        return self._loss.settings()
 
     def is_due(self, step: int) -> bool:
         return self.plane is not None and super().is_due(step)
@@ -129,13 +150,14 @@ class GradientPlane(Probe):
         return {
             "g0": self._g0.cpu(),
             "theta0": self._theta0.cpu(),
-            "batch": move_data_to_device(self._batch, "cpu"),
             "plane": None if self.plane is None else (self.plane.u, self.plane.v),
+            **self._loss.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
-            self._g0, self._theta0, self._batch = state["g0"], state["theta0"], state["batch"]
+            self._g0, self._theta0 = state["g0"], state["theta0"]
+            self._loss.load_state_dict(state)
             if state["plane"] is not None:
                 u, v = state["plane"]
                 self.plane = Plane(self._theta0.double().numpy(), u, v, kind="gradients")
@@ -151,7 +173,7 @@ class GradientPlane(Probe):
         }
 
     def _batch_arrays(self) -> list[tuple[str, np.ndarray]]:
-        leaves = _tensor_leaves(self._batch)
+        leaves = _tensor_leaves(self._loss.batch)
         return [
             (f"{names.PROBE_BATCH_PREFIX}{i}", t.detach().cpu().numpy())
             for i, t in enumerate(leaves)

@@ -8,21 +8,14 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_fabric.utilities.apply_func import move_data_to_device
 from lightning_utilities.core.apply_func import apply_to_collection
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.func import functional_call
 
-from dynamics.callbacks.probe import (
-    Probe,
-    Rows,
-    SeriesSpec,
-    detached_copy,
-    require_unsharded,
-)
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.curvature import HessianOperator, hutch_plus_plus, lanczos, spectral_density
-from dynamics.isolation import side_effect_free
+from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_rule import module_loss
 from dynamics.store import View, names
 
@@ -31,17 +24,29 @@ class HessianSpectrum(Probe):
     """The top-k Hessian eigenvalues of the training loss on a fixed probe batch.
 
     At every due step the loss of the module on the probe batch — by the loss rule of
-    :func:`~dynamics.loss_rule.module_loss`, so any LightningModule works unchanged — is
-    differentiated twice and its top-k eigenvalues found by thick-restart Lanczos
-    (:func:`dynamics.curvature.lanczos`), started from the previous recorded step's
-    eigenvectors. All of it runs inside :func:`~dynamics.isolation.side_effect_free` with
-    autocast off and the parameters in float32 (float64 if the model is float64), whatever the
-    training precision; the vector ``hessian_float_bits`` in the run file states which.
+    :mod:`dynamics.loss_rule`, so any LightningModule works unchanged — is differentiated twice
+    and its top-k eigenvalues found by thick-restart Lanczos (:func:`dynamics.curvature.lanczos`),
+    started from the previous recorded step's eigenvectors. All of it runs inside
+    :func:`~dynamics.isolation.side_effect_free` with the module in ``mode``, autocast off and
+    the parameters in float32 (float64 if the model is float64), whatever the training
+    precision; the vector ``hessian_float_bits`` in the run file states which, and the probe's
+    settings in the file's ``probes`` attribute state the mode and where the loss came from.
+    Attention runs on the math backend of ``F.scaled_dot_product_attention``, the only one that
+    can be differentiated twice (:func:`~dynamics.curvature.operator.twice_differentiable`).
+
+    In the default ``mode="eval"`` dropout is off and BatchNorm uses its running statistics, so
+    the spectrum is a deterministic function of θ; ``mode="train"`` measures the loss as the
+    training step sees it (one dropout mask and one set of batch statistics per row).
 
     Under DDP every rank differentiates the loss on its own probe batch and every product is
     averaged across ranks: the eigenvalues are those of the data-parallel Hessian, identical on
-    all ranks (only rank zero writes). A NaN or infinite loss or product records a row of NaN
-    (with a warning) and training goes on.
+    all ranks (only rank zero writes).
+
+    When the probe cannot measure, it raises rather than record a wrong number, and the
+    recorder disables it and records why: :class:`~dynamics.callbacks.ProbeUnavailable` at
+    setup for a manually optimized module without ``dynamics_loss`` (its training step would
+    step the optimizer), and :class:`FloatingPointError` from a due step whose loss, products
+    or results are NaN or infinite (a row of NaN would read as data).
 
     Series (group ``hessian``), one row per due step:
 
@@ -68,6 +73,8 @@ class HessianSpectrum(Probe):
         batch: the probe batch; default: a copy of the fit's first training batch.
         warm_start: start each row's Lanczos from the previous row's eigenvectors.
         seed: seed of the random start vectors (the global RNG is never used).
+        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
+            while its Hessian is measured.
     """
 
     name = names.HESSIAN
@@ -86,6 +93,7 @@ class HessianSpectrum(Probe):
         batch: Any = None,
         warm_start: bool = True,
         seed: int = 0,
+        mode: Mode = "eval",
     ) -> None:
         super().__init__(every_n_steps)
         if k < 1:
@@ -103,21 +111,24 @@ class HessianSpectrum(Probe):
         self.density_steps = density_steps
         self.warm_start = warm_start
         self.seed = seed
-        self._batch = None if batch is None else detached_copy(batch)
+        self._loss = ProbeLoss("HessianSpectrum", mode, batch)
+        self._names: list[str] = []  # the trainable parameters, found at setup
+        self.dtype: torch.dtype | None = None  # of the measurement, decided at setup
         self._ritz: torch.Tensor | None = None
         self._row: dict[str, Any] | None = None
 
+    @property
+    def mode(self) -> Mode:
+        return self._loss.mode
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        require_unsharded(trainer, "HessianSpectrum")
+        self._loss.setup(trainer, pl_module, batch)
         self._names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
         if not self._names:
             raise ValueError("HessianSpectrum found no trainable parameter")
         dtypes = {p.dtype for p in pl_module.parameters() if p.requires_grad}
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
-        self._loss = _LossOf(pl_module)
         self._ritz = None
-        if self._batch is None:  # neither given nor restored from a checkpoint
-            self._batch = detached_copy(batch)
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
@@ -154,7 +165,12 @@ class HessianSpectrum(Probe):
         return {names.float_bits(self.name): SeriesSpec((1,), dtype="int8")}
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
+        if self.dtype is None:
+            return {}
         return {names.float_bits(self.name): np.array([torch.finfo(self.dtype).bits], np.int8)}
+
+    def settings(self) -> dict[str, Any]:
+        return self._loss.settings()
 
     def on_step_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
@@ -174,8 +190,12 @@ class HessianSpectrum(Probe):
         return {} if row is None else {self.name: row}
 
     def measure(self, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
-        """One row for the module's current parameters (a NaN row if the loss is not finite)."""
-        batch = move_data_to_device(self._batch, pl_module.device)
+        """One row for the module's current parameters.
+
+        Raises:
+            FloatingPointError: if the loss, a product or a value of the row is NaN or infinite.
+        """
+        batch = self._loss.batch
         params = dict(pl_module.named_parameters())
         leaves = {n: params[n].detach().to(self.dtype).requires_grad_() for n in self._names}
         tensors = dict(leaves)
@@ -185,34 +205,35 @@ class HessianSpectrum(Probe):
             tensors |= {n: _upcast(b, self.dtype) for n, b in pl_module.named_buffers()}
             batch = apply_to_collection(batch, torch.Tensor, _upcast, self.dtype)
         averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        row = self._nan_row()
-        with side_effect_free(pl_module), torch.autocast(pl_module.device.type, enabled=False):
-            try:
-                operator = HessianOperator(
-                    lambda: functional_call(self._loss, _prefixed(tensors), (batch,)),
-                    list(leaves.values()),
-                    average_across_ranks=averaged,
-                )
-            except FloatingPointError as error:
-                return self._warned(row, step, error)
-            row[names.HESSIAN_LOSS] = operator.loss
-            try:
-                self._fill(row, operator)
-            except FloatingPointError as error:
-                row[names.HESSIAN_N_HVP] = operator.n_hvp
-                return self._warned(row, step, error)
-        row[names.HESSIAN_N_HVP] = operator.n_hvp
+        with (
+            side_effect_free(pl_module, self.mode),
+            torch.autocast(pl_module.device.type, enabled=False),
+        ):
+            operator = HessianOperator(
+                lambda: functional_call(_LossOf(pl_module), _prefixed(tensors), (batch,)),
+                list(leaves.values()),
+                average_across_ranks=averaged,
+            )
+            row = self._row_of(operator)
+        not_finite = [name for name, value in row.items() if not np.isfinite(value).all()]
+        if not_finite:
+            raise FloatingPointError(
+                f"HessianSpectrum at step {step}: {', '.join(not_finite)} not finite"
+            )
         return row
 
-    def _fill(self, row: dict[str, Any], operator: HessianOperator) -> None:
+    def _row_of(self, operator: HessianOperator) -> dict[str, Any]:
         warm = self._ritz if self.warm_start else None
         pairs = lanczos(
             operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
         )
         self._ritz = pairs.eigenvectors
-        row[names.HESSIAN_EIGENVALUES] = pairs.eigenvalues.float().numpy()
-        row[names.HESSIAN_RESIDUALS] = pairs.residuals.float().numpy()
-        row[names.HESSIAN_CONVERGED] = np.int8(pairs.converged)
+        row: dict[str, Any] = {
+            names.HESSIAN_LOSS: operator.loss,
+            names.HESSIAN_EIGENVALUES: pairs.eigenvalues.float().numpy(),
+            names.HESSIAN_RESIDUALS: pairs.residuals.float().numpy(),
+            names.HESSIAN_CONVERGED: np.int8(pairs.converged),
+        }
         if self.gradient_share:
             gradient = operator.gradient
             inside = torch.linalg.vector_norm(pairs.eigenvectors @ gradient) ** 2
@@ -228,30 +249,7 @@ class HessianSpectrum(Probe):
             )
             row[names.HESSIAN_DENSITY_NODES] = density.nodes.astype(np.float32)
             row[names.HESSIAN_DENSITY_WEIGHTS] = density.weights.astype(np.float32)
-
-    def _nan_row(self) -> dict[str, Any]:
-        nan = np.float32("nan")
-        row: dict[str, Any] = {
-            names.HESSIAN_EIGENVALUES: np.full(self.k, nan),
-            names.HESSIAN_RESIDUALS: np.full(self.k, nan),
-            names.HESSIAN_CONVERGED: np.int8(0),
-            names.HESSIAN_N_HVP: 0,
-            names.HESSIAN_LOSS: nan,
-        }
-        if self.trace_hvp:
-            row |= {names.HESSIAN_TRACE: nan, names.HESSIAN_TRACE_STDERR: nan}
-        if self.gradient_share:
-            row[names.HESSIAN_GRADIENT_SHARE] = nan
-        if self.density_runs:
-            shape = (self.density_runs, self.density_steps)
-            row |= {
-                names.HESSIAN_DENSITY_NODES: np.full(shape, nan),
-                names.HESSIAN_DENSITY_WEIGHTS: np.full(shape, nan),
-            }
-        return row
-
-    def _warned(self, row: dict[str, Any], step: int, error: FloatingPointError) -> dict[str, Any]:
-        rank_zero_warn(f"HessianSpectrum at step {step}: {error}; recorded NaN")
+        row[names.HESSIAN_N_HVP] = operator.n_hvp
         return row
 
     def teardown(self) -> None:
@@ -259,12 +257,10 @@ class HessianSpectrum(Probe):
         self._row = None
 
     def state_dict(self) -> dict[str, Any]:
-        # The probe batch, so a resumed run keeps measuring the same loss.
-        return {} if self._batch is None else {"batch": move_data_to_device(self._batch, "cpu")}
+        return self._loss.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "batch" in state:
-            self._batch = state["batch"]
+        self._loss.load_state_dict(state)
 
 
 class _LossOf(nn.Module):

@@ -7,22 +7,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dynamics.isolation import side_effect_free
+from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_rule import module_loss
 from dynamics.params import ParameterLayout, flatten
 
 
-def initial_gradient(module: torch.nn.Module, batch: Any, layout: ParameterLayout) -> torch.Tensor:
+def initial_gradient(
+    module: torch.nn.Module, batch: Any, layout: ParameterLayout, mode: Mode = "eval"
+) -> torch.Tensor:
     """∇L(θ) on ``batch`` as a flat vector, leaving the module, RNG and ``.grad`` as they were.
 
     The loss is found by :func:`~dynamics.loss_rule.module_loss`. Under an initialized process
     group every rank must call this; the result is the average of the ranks' gradients, as
     data-parallel training would apply.
+
+    Args:
+        module: the model.
+        batch: the batch the loss is taken on, on the module's device.
+        layout: the parameters differentiated, and the order of the result.
+        mode: the :data:`~dynamics.isolation.Mode` the module runs in; by default ``"eval"``, the
+            mode in which loss landscapes on the plane of such gradients are drawn.
+
+    Raises:
+        ~dynamics.loss_rule.LossUnavailable: if the loss rule finds no loss for the module.
+        FloatingPointError: if the gradient is NaN or infinite (on any rank).
     """
     params = layout.parameters(module)
-    with side_effect_free(module):
+    with side_effect_free(module, mode):
         gradient = flatten(torch.autograd.grad(module_loss(module, batch), params))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(gradient)
         gradient /= dist.get_world_size()
+    if not gradient.isfinite().all():
+        raise FloatingPointError("the initial gradient is not finite")
     return gradient

@@ -12,9 +12,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Literal, get_args
 
 import torch
 from torch import nn
+
+#: How an extra pass runs the module. ``"eval"``: every submodule in eval mode — dropout off,
+#: BatchNorm on its running statistics — so the pass is a deterministic function of θ.
+#: ``"train"``: every submodule's flag as training left it (during a fit, dropout draws and batch
+#: statistics, as the training step sees the loss).
+Mode = Literal["eval", "train"]
 
 _IN_EXTRA_PASS: ContextVar[bool] = ContextVar("dynamics_in_extra_pass", default=False)
 
@@ -28,8 +35,19 @@ def in_extra_pass() -> bool:
     return _IN_EXTRA_PASS.get()
 
 
+def checked_mode(mode: str) -> Mode:
+    """``mode`` if it is a :data:`Mode`.
+
+    Raises:
+        ValueError: otherwise.
+    """
+    if mode not in get_args(Mode):
+        raise ValueError(f"mode must be 'eval' or 'train', got {mode!r}")
+    return mode
+
+
 @contextmanager
-def side_effect_free(module: nn.Module) -> Iterator[None]:
+def side_effect_free(module: nn.Module, mode: Mode = "train") -> Iterator[None]:
     """Undo, on exit, every side effect an extra pass through ``module`` can have.
 
     Forks the CPU (and any initialised CUDA) random number generators, and saves then restores:
@@ -40,7 +58,10 @@ def side_effect_free(module: nn.Module) -> Iterator[None]:
 
     Args:
         module: the module whose state the pass may touch (normally the whole model).
+        mode: the :data:`Mode` the pass runs the module in; the flags are saved before it is
+            applied, so every submodule's own flag is restored exactly.
     """
+    checked_mode(mode)
     flags = [(m, m.training) for m in module.modules()]
     buffers = [
         (owner, name, buffer, buffer.clone())
@@ -53,6 +74,8 @@ def side_effect_free(module: nn.Module) -> Iterator[None]:
     cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     token = _IN_EXTRA_PASS.set(True)
     try:
+        if mode == "eval":
+            module.eval()
         with torch.random.fork_rng(devices=cuda_devices):
             yield
     finally:

@@ -1,35 +1,66 @@
 """The one rule by which every probe and every offline tool finds a module's loss.
 
-A module that defines ``dynamics_loss(batch)`` is asked for it; otherwise its ``training_step``
-is called with logging switched off, and the loss is its tensor output or ``output["loss"]``.
-Modules never have to change to be recorded.
+A module that defines ``dynamics_loss(batch)`` is asked for it. Otherwise its ``training_step``
+is called with logging switched off, and the loss is its tensor output or ``output["loss"]`` —
+unless the module optimizes manually (``automatic_optimization = False``): such a training step
+runs ``manual_backward`` and steps the optimizers and schedulers itself, so calling it would
+train the model. A manually optimized module gives a loss only through ``dynamics_loss``; without
+it the rule refuses (:class:`LossUnavailable`) before any pass is made. Modules that Lightning
+optimizes never have to change to be recorded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
+
+#: Where the rule takes a module's loss from.
+LossSource = Literal["dynamics_loss", "training_step"]
+
+
+class LossUnavailable(TypeError):
+    """The module offers no loss the rule may take; the message says why and what to add."""
+
+
+def loss_source(module: nn.Module) -> LossSource:
+    """Where the rule takes ``module``'s loss from, decided without calling the module.
+
+    Raises:
+        LossUnavailable: if the module has no ``dynamics_loss`` and either has no
+            ``training_step`` or optimizes manually.
+    """
+    if hasattr(module, "dynamics_loss"):
+        return "dynamics_loss"
+    name = type(module).__name__
+    if not hasattr(module, "training_step"):
+        raise LossUnavailable(f"{name} has neither dynamics_loss nor training_step")
+    if not getattr(module, "automatic_optimization", True):
+        raise LossUnavailable(
+            f"{name} optimizes manually (automatic_optimization = False), so its training_step "
+            "steps the optimizers and is never called for an extra pass; define "
+            "dynamics_loss(batch) returning the loss to measure it"
+        )
+    return "training_step"
 
 
 def module_loss(module: nn.Module, batch: Any, batch_idx: int = 0) -> torch.Tensor:
     """The scalar training loss of ``module`` on ``batch``, by the rule above.
 
     Raises:
-        TypeError: if the module offers neither ``dynamics_loss`` nor a ``training_step`` whose
-            output is a scalar tensor or a mapping with a ``"loss"`` tensor.
+        LossUnavailable: if :func:`loss_source` finds no loss the rule may take.
+        TypeError: if the loss found is not a scalar tensor (from ``training_step``: neither a
+            tensor nor a mapping with a ``"loss"`` tensor).
     """
-    if hasattr(module, "dynamics_loss"):
+    if loss_source(module) == "dynamics_loss":
         loss = module.dynamics_loss(batch)
-    elif hasattr(module, "training_step"):
+    else:
         with _logging_suppressed(module):
             output = module.training_step(batch, batch_idx)
         loss = output.get("loss") if isinstance(output, dict) else output
-    else:
-        raise TypeError(f"{type(module).__name__} has neither dynamics_loss nor training_step")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
             f"{type(module).__name__}'s loss must be a scalar tensor, got {type(loss).__name__}"

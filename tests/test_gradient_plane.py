@@ -1,5 +1,8 @@
 """Recording the initial gradient and plane coordinates, and `dynamics plane` on two runs."""
 
+import copy
+from types import SimpleNamespace
+
 import h5py
 import numpy as np
 import pytest
@@ -36,6 +39,43 @@ def test_g0_and_probe_batch_are_the_first_batch_and_its_gradient(tmp_path, quiet
         run.vector("g0"), torch.cat([g.reshape(-1) for g in grads]).numpy(), rtol=1e-6
     )
     assert "plane" not in run.groups  # no plane known: g0 and the batch only
+    (probe,) = run.attrs["probes"]
+    assert probe["settings"] == {"mode": "eval", "loss": "dynamics_loss"}
+
+
+def _g0(module, batch, mode: str) -> torch.Tensor:
+    probe = GradientPlane(batch=batch, mode=mode)
+    probe.setup(SimpleNamespace(strategy=None), module, batch)
+    return torch.from_numpy(probe.initial_vectors()["g0"])
+
+
+def test_g0_is_the_eval_mode_gradient_unless_train_mode_is_asked(small_cnn):
+    torch.manual_seed(0)
+    module = small_cnn().train()
+    batch = next(iter(module.train_dataloader()))
+    reference = copy.deepcopy(module).eval()
+    loss = module_loss(reference, batch)
+    expected = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, reference.parameters())])
+    torch.testing.assert_close(_g0(module, batch, "eval"), expected, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(_g0(module, batch, "train"), expected, rtol=1e-2)
+    assert all(m.training for m in module.modules())
+
+
+def test_a_non_finite_g0_is_refused_at_setup(small_cnn):
+    module = small_cnn()
+    with torch.no_grad():
+        module.head.weight[0, 0] = float("inf")
+    batch = next(iter(module.train_dataloader()))
+    with pytest.raises(FloatingPointError, match="initial gradient is not finite"):
+        _g0(module, batch, "eval")
+
+
+def test_declarations_before_setup_are_well_defined():
+    assert GradientPlane().series() == {} and GradientPlane().vectors() == {}
+    assert GradientPlane().initial_vectors() == {}  # g0 and its size come at setup
+    basis = plane_from_gradients(np.zeros(3), np.array([1.0, 0, 0]), np.array([0, 1.0, 0]))
+    assert set(GradientPlane(basis=basis).series()["plane"]) == {"a", "b", "r"}
+    assert GradientPlane(mode="train").settings() == {"mode": "train", "loss": None}
 
 
 def test_partner_plane_coordinates_decompose_the_displacement(tmp_path, quiet_trainer):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 
+from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.curvature import top_eigenvalues
@@ -113,12 +114,21 @@ def test_series_declared_match_the_rows() -> None:
         module,
     )
     specs = probe.series()["hessian"]
-    for row in (probe.measure(module, 0), probe._nan_row()):
-        assert set(row) == set(specs)
-        for name, spec in specs.items():
-            assert np.shape(row[name]) == spec.shape, name
+    row = probe.measure(module, 0)
+    assert set(row) == set(specs)
+    for name, spec in specs.items():
+        assert np.shape(row[name]) == spec.shape, name
     assert probe.vectors()["hessian_float_bits"].shape == (1,)
     np.testing.assert_array_equal(probe.initial_vectors()["hessian_float_bits"], [64])
+    assert probe.settings() == {"mode": "eval", "loss": "training_step"}
+
+
+def test_declarations_before_setup_are_well_defined() -> None:
+    probe = HessianSpectrum(k=2, trace_hvp=9)
+    assert set(probe.series()["hessian"]) >= {"eigenvalues", "trace"}
+    assert set(probe.vectors()) == {"hessian_float_bits"}
+    assert probe.initial_vectors() == {}  # the precision is the module's, known at setup
+    assert probe.settings() == {"mode": "eval", "loss": None}
 
 
 def test_probe_agrees_with_top_eigenvalues_on_the_module_loss() -> None:
@@ -167,29 +177,85 @@ def test_warm_start_from_the_previous_row_saves_products() -> None:
     assert warm_row["n_hvp"] < cold_row["n_hvp"]
 
 
-def test_non_finite_loss_records_nan_and_training_goes_on() -> None:
+def test_a_non_finite_loss_raises_rather_than_record_nan() -> None:
     module, batch = _tiny()
     probe = _ready(HessianSpectrum(k=2, batch=batch), module)
     with torch.no_grad():
         module.net[0].weight[0, 0] = float("nan")
-    with pytest.warns(UserWarning, match="recorded NaN"):
-        row = probe.measure(module, 7)
-    assert np.isnan(row["eigenvalues"]).all() and row["n_hvp"] == 0 and row["converged"] == 0
+    with pytest.raises(FloatingPointError, match="loss is nan"):
+        probe.measure(module, 7)
 
 
-def test_measuring_leaves_a_train_mode_module_untouched(small_cnn) -> None:
+class SqrtLoss(pl.LightningModule):
+    """A finite loss, Σ√w at w = 0, whose gradient and Hessian are infinite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+    def dynamics_loss(self, batch) -> torch.Tensor:
+        return self.w.sqrt().sum()
+
+
+def test_non_finite_products_raise_rather_than_record_nan() -> None:
+    module = SqrtLoss()
+    probe = _ready(HessianSpectrum(k=1), module, batch=torch.zeros(1))
+    with pytest.raises(FloatingPointError, match="not finite"):
+        probe.measure(module, 3)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_measuring_leaves_a_train_mode_module_untouched(small_cnn, mode) -> None:
     module = small_cnn().train()
+    module.features[1].eval()  # a frozen BatchNorm, as fine-tuning code leaves it
+    flags = [m.training for m in module.modules()]
     batch = next(iter(module.train_dataloader()))
     F.cross_entropy(module(batch[0]), batch[1]).backward()
     grads = [p.grad.clone() for p in module.parameters()]
     buffers = [b.clone() for b in module.buffers()]
     rng = torch.get_rng_state()
-    probe = _ready(HessianSpectrum(k=2, batch=batch), module)
+    probe = _ready(HessianSpectrum(k=2, batch=batch, mode=mode), module)
     assert np.isfinite(probe.measure(module, 0)["eigenvalues"]).all()
     assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), grads))
     assert all(torch.equal(b, saved) for b, saved in zip(module.buffers(), buffers))
     assert torch.equal(torch.get_rng_state(), rng)
+    assert [m.training for m in module.modules()] == flags
+
+
+class DropoutRegressor(TinyRegressor):
+    """TinyRegressor with dropout and batch normalisation between its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Dropout(0.3), nn.Linear(6, 2)
+        )
+        with torch.no_grad():  # running statistics unlike the batch's, so the modes differ
+            self.net[1].running_mean.uniform_(-0.5, 0.5)
+            self.net[1].running_var.uniform_(0.5, 2.0)
+
+
+def test_eval_mode_measures_the_deterministic_eval_hessian_and_train_mode_differs() -> None:
+    torch.manual_seed(0)
+    module = DropoutRegressor().double().train()
+    _, batch = _tiny()
+    hessian = _dense(module.eval(), _tiny_loss_of_flat(module, [batch]))
+    exact = torch.linalg.eigvalsh(hessian).flip(0)[:3].numpy()
+    module.train()
+    rows = {
+        mode: _ready(HessianSpectrum(k=3, tol=1e-8, batch=batch, mode=mode), module).measure(
+            module, 0
+        )
+        for mode in ("eval", "train")
+    }
+    np.testing.assert_allclose(rows["eval"]["eigenvalues"], exact, rtol=1e-4)
+    assert not np.allclose(rows["train"]["eigenvalues"], exact, rtol=1e-2)
     assert all(m.training for m in module.modules())
+
+
+def test_mode_is_checked_when_the_probe_is_made() -> None:
+    with pytest.raises(ValueError, match="mode must be 'eval' or 'train'"):
+        HessianSpectrum(mode="inference")
 
 
 @pytest.mark.parametrize("strategy", [FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy])
@@ -201,8 +267,9 @@ def test_sharded_strategies_are_refused_at_setup(strategy) -> None:
         HessianSpectrum().setup(trainer, module, batch)
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
 def test_recording_leaves_training_bit_identical_and_fills_the_run_file(
-    small_cnn, tmp_path, quiet_trainer
+    small_cnn, tmp_path, quiet_trainer, mode
 ) -> None:
     def fit(recorder: DynamicsRecorder | None) -> torch.Tensor:
         pl.seed_everything(0, verbose=False)
@@ -211,9 +278,11 @@ def test_recording_leaves_training_bit_identical_and_fills_the_run_file(
         quiet_trainer(max_steps=6, callbacks=callbacks).fit(module)
         return flatten(module.parameters())
 
-    probe = HessianSpectrum(k=2, every_n_steps=2, trace_hvp=6)
+    probe = HessianSpectrum(k=2, every_n_steps=2, trace_hvp=6, mode=mode)
     recorded = fit(DynamicsRecorder(tmp_path / "run.h5", probes=[probe]))
     assert torch.equal(recorded, fit(None))
+    (stored,) = open_run(tmp_path / "run.h5").attrs["probes"]
+    assert stored["settings"] == {"mode": mode, "loss": "training_step"}
     with h5py.File(tmp_path / "run.h5", "r") as file:
         group = file["series/hessian"]
         assert list(group["step"][:]) == [0, 2, 4]

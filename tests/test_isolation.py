@@ -93,3 +93,17 @@ def test_state_is_restored_when_the_pass_raises() -> None:
     except RuntimeError:
         pass
     _assert_same(before, _state(net))
+
+
+def test_eval_mode_runs_the_pass_in_eval_and_restores_each_flag() -> None:
+    net = _net()
+    F.mse_loss(net(torch.randn(16, 6)), torch.randn(16, 2)).backward()
+    net[3].eval()
+    x = torch.randn(16, 6)
+    before = _state(net)
+    with side_effect_free(net, mode="eval"):
+        assert not any(m.training for m in net.modules())
+        first, second = net(x), net(x)  # no dropout draw, running statistics: deterministic
+    assert torch.equal(first, second)
+    _assert_same(before, _state(net))
+    assert net[1].num_batches_tracked.item() == 1

@@ -12,11 +12,13 @@ so the operator is exactly symmetric even for a module in train mode.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dynamics.params import flatten
 
@@ -40,8 +42,9 @@ class LinearOperator(Protocol):
 class HessianOperator:
     """Hessian-vector products of ``loss_fn()`` with respect to ``params``.
 
-    The loss and its gradient graph are computed once, in the constructor; each
-    :meth:`matvec` is one reverse pass through that graph. The operator never writes ``.grad``.
+    The loss and its gradient graph are computed once, in the constructor, under
+    :func:`twice_differentiable` (so attention models work); each :meth:`matvec` is one reverse
+    pass through that graph. The operator never writes ``.grad``.
 
     Args:
         loss_fn: zero-argument closure returning the scalar loss, computed through ``params``.
@@ -72,7 +75,7 @@ class HessianOperator:
         self._numels = [p.numel() for p in self.params]
         self._world = dist.get_world_size() if average_across_ranks else 1
         self.n_hvp = 0
-        with torch.enable_grad():
+        with torch.enable_grad(), twice_differentiable():
             loss = loss_fn()
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError("loss_fn must return a scalar tensor")
@@ -130,6 +133,21 @@ class HessianOperator:
         # every rank the same bits, so the ranks' iterations never diverge.
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.div_(self._world)
+
+
+@contextmanager
+def twice_differentiable() -> Iterator[None]:
+    """Run a forward whose gradient will itself be differentiated (``create_graph=True``).
+
+    ``F.scaled_dot_product_attention`` picks a fused kernel (flash, memory-efficient, cuDNN)
+    when it can; those kernels have a backward but no derivative of it, so the first
+    Hessian-vector product through them fails ("derivative for
+    aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"). The math
+    backend composes ordinary differentiable ops, so attention is forced onto it here; it
+    computes the same attention up to rounding, only slower and with more memory.
+    """
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
 
 
 def _check_params(params: list[torch.Tensor]) -> None:

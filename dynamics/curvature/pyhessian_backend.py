@@ -10,6 +10,7 @@ from pyhessian import hessian as PyHessian
 from torch import nn
 
 from dynamics.curvature.eigenpairs import Eigenpairs
+from dynamics.curvature.operator import twice_differentiable
 from dynamics.isolation import side_effect_free
 from dynamics.params import flatten
 
@@ -47,7 +48,7 @@ def pyhessian_eigenpairs(
     hook = shim.tensors[0].register_hook(lambda grad: calls.__setitem__(0, calls[0] + 1))
     default_dtype = torch.get_default_dtype()
     try:
-        with side_effect_free(shim), warnings.catch_warnings():
+        with side_effect_free(shim), twice_differentiable(), warnings.catch_warnings():
             # PyHessian's backward(create_graph=True) ties .grad to the graph; restoring .grad on
             # exit breaks that cycle, so torch's warning about it does not apply.
             warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph")

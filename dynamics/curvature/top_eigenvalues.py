@@ -43,6 +43,9 @@ def top_eigenvalues(
     Args:
         loss_fn: zero-argument closure returning the scalar loss, computed through ``params``
             (all float32 or all float64). Called once: its gradient graph serves every product.
+            Attention in it runs on the math backend of ``F.scaled_dot_product_attention``, the
+            only one that can be differentiated twice (see
+            :func:`~dynamics.curvature.operator.twice_differentiable`).
         params: the tensors the Hessian is taken with respect to.
         k: how many eigenvalues.
         tol: for ``"lanczos"`` and ``"power"``, stop when ``‖H v − λ v‖ ≤ tol·|λ|`` for every
