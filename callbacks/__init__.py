@@ -1,4 +1,8 @@
-"""Lightning glue: the recorder callback and its probes."""
+"""Lightning glue: the recorder callback and its probes.
+
+``DynamicsRecorder`` here is a ``pytorch_lightning`` callback; ``lightning.pytorch`` users take
+``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
+"""
 
 from dynamics.callbacks.gradient_plane import GradientPlane
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum

@@ -10,8 +10,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from pytorch_lightning.demos.boring_classes import BoringModel
 
 from dynamics import open_run
+from dynamics.callbacks import DynamicsRecorder
 from dynamics.store import RunWriter, SeriesSpec
 
 LIVE_WRITER = textwrap.dedent(
@@ -60,6 +62,36 @@ def test_a_killed_writer_reads_as_killed(live_writer):
     process.wait()
     status = open_run(path).status()
     assert status.state == "killed" and status.last_step == 5
+
+
+def test_finished_fit_records_status_and_wall_time(tmp_path, quiet_trainer):
+    path = tmp_path / "done.h5"
+    quiet_trainer(max_steps=4, callbacks=[DynamicsRecorder(path)]).fit(BoringModel())
+    status = open_run(path).status()
+    assert status.state == "finished" and status.exception == ""
+    assert status.last_step == 3
+    assert status.wall_time_s > 0 and status.updated_at >= status.started_at
+
+
+class CrashesAtStepThree(BoringModel):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise FloatingPointError("loss diverged")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_crashed_fit_records_the_exception_and_the_rows_before_it(tmp_path, quiet_trainer):
+    path = tmp_path / "crash.h5"
+    trainer = quiet_trainer(max_steps=10, callbacks=[DynamicsRecorder(path)])
+    with pytest.raises(FloatingPointError):
+        trainer.fit(CrashesAtStepThree())
+    run = open_run(path)
+    status = run.status()
+    assert status.state == "crashed"
+    assert status.exception == "FloatingPointError: loss diverged"
+    np.testing.assert_array_equal(run.series("loss").step, [0, 1, 2])
+    assert status.last_step == 2
+    assert run.summary()["status"]["exception"].startswith("FloatingPointError")
 
 
 def test_events_are_cut_at_the_checkpoint_on_resume_and_text_is_cut_to_its_field(tmp_path):
