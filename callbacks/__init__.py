@@ -4,6 +4,7 @@
 ``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
 """
 
+from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.gradient_plane import GradientPlane
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
@@ -24,4 +25,5 @@ __all__ = [
     "ProbeUnavailable",
     "SeriesSpec",
     "TrainingLoss",
+    "check_probe",
 ]
