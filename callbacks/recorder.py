@@ -16,7 +16,7 @@ import platform
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal, get_args
 
 import h5py
 import numpy as np
@@ -33,8 +33,8 @@ from dynamics.callbacks.training_loss import TrainingLoss
 from dynamics.params import ParameterLayout, parameter_vector, vector_hash
 from dynamics.store import RunFileError, RunWriter, SeriesSpec, names
 
-#: What ``on_probe_error`` accepts.
-ON_PROBE_ERROR = ("disable", "raise")
+#: What the recorder does when a probe raises: disable it and go on, or end the fit.
+OnProbeError = Literal["disable", "raise"]
 
 
 class RecorderBase:
@@ -92,17 +92,16 @@ class RecorderBase:
         log_to_loggers: bool = False,
         flush_interval_s: float = 5.0,
         block_rows: int = 256,
-        on_probe_error: str = "disable",
+        on_probe_error: OnProbeError = "disable",
     ) -> None:
         self.path = Path(path)
         self.probes = list(probes) if probes is not None else _default_probes()
         probe_names = [p.name for p in self.probes]
         if len(set(probe_names)) != len(probe_names):
             raise ValueError(f"probe names must be unique, got {probe_names}")
-        if on_probe_error not in ON_PROBE_ERROR:
-            raise ValueError(
-                f"on_probe_error must be one of {', '.join(ON_PROBE_ERROR)}, got {on_probe_error!r}"
-            )
+        if on_probe_error not in get_args(OnProbeError):
+            choices = ", ".join(get_args(OnProbeError))
+            raise ValueError(f"on_probe_error must be one of {choices}, got {on_probe_error!r}")
         self.overwrite = overwrite
         self.config = config or {}
         self.run_name = run_name or self.path.stem
