@@ -1,5 +1,10 @@
-"""Lightning glue: the recorder callback and its probes."""
+"""Lightning glue: the recorder callback and its probes.
 
+``DynamicsRecorder`` here is a ``pytorch_lightning`` callback; ``lightning.pytorch`` users take
+``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
+"""
+
+from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.gradient_plane import GradientPlane
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
@@ -20,4 +25,5 @@ __all__ = [
     "ProbeUnavailable",
     "SeriesSpec",
     "TrainingLoss",
+    "check_probe",
 ]

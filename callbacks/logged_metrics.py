@@ -14,7 +14,7 @@ class LoggedMetrics(Probe):
     """Copies ``trainer.callback_metrics[key]`` for each key after every validation run.
 
     Rows are recorded at the optimizer step the validation ran after; a key not logged in a run
-    reads NaN. The sanity check is never recorded.
+    reads NaN, with a warning event the first time. The sanity check is never recorded.
 
     Args:
         keys: names the module passes to ``self.log`` in its validation step.
@@ -27,6 +27,7 @@ class LoggedMetrics(Probe):
         if not keys:
             raise ValueError("LoggedMetrics needs at least one key")
         self.keys = tuple(keys)
+        self._missing: set[str] = set()  # keys already noted as not logged
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         return {
@@ -40,6 +41,9 @@ class LoggedMetrics(Probe):
 
     def on_validation_end(self, trainer, pl_module) -> Rows:
         metrics = trainer.callback_metrics
+        for key in [k for k in self.keys if k not in metrics and k not in self._missing]:
+            self._missing.add(key)
+            self.note(trainer.global_step, f"{key!r} was not logged in validation; recorded NaN")
         nan = torch.tensor(float("nan"))
         return {
             names.VALIDATION: {k: metrics.get(k, nan).detach().float().cpu() for k in self.keys}

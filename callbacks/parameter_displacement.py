@@ -3,30 +3,46 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
 from dynamics.params import ParameterLayout, parameter_vector
 from dynamics.store import View, names
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+#: How snapshots can be stored: full precision, or half the bytes at a coarser precision.
+SNAPSHOT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ParameterDisplacement(Probe):
     """‖θt − θ0‖ in total and per parameter tensor, the update ‖θt+1 − θt‖, and snapshots.
 
     Snapshots of θt are kept within ``snapshot_budget_mb``, thinned evenly over the run: the
-    snapshot period is the run's estimated optimizer steps over the number of snapshots that fit,
-    so the whole trajectory is covered and later analysis can project it onto any plane. θ0 and
-    the final θT are stored as vectors as well.
+    budget holds some number of snapshots, and the period is the run's estimated optimizer steps
+    over that number, so the whole trajectory is covered and later analysis can project it onto
+    any plane. θ0 and the final θT are stored as vectors whatever the budget. When the budget
+    holds fewer than two snapshots (above 8.4M float32 parameters for 64 MiB), or the run's
+    length is unknown, no snapshots are kept and a warning event says why and what to change:
+    the recorder works on a model of any size. The plan (period, expected count, dtype, bytes)
+    is stored in the run file with the probe's settings.
+
+    ``snapshot_dtype="float16"`` or ``"bfloat16"`` halves each snapshot, at a coarser precision
+    (relative rounding 2⁻¹¹ and 2⁻⁸; bfloat16 keeps float32's range, float16 overflows above
+    65504 and rounds to 2⁻²⁵ absolute below 6·10⁻⁵): enough to draw a trajectory, too coarse
+    for displacements smaller than that rounding of θt. The dtype is recorded in the file, and
+    snapshots read back as float32.
 
     Args:
         every_n_steps: period of the norm series.
         snapshot_budget_mb: bytes (MiB) for snapshots; 0 stores none.
-        snapshot_every_n_steps: fixed snapshot period instead of the budget's (required when the
-            Trainer cannot estimate its number of steps).
+        snapshot_every_n_steps: fixed snapshot period instead of the budget's (required for
+            snapshots when the Trainer cannot estimate its number of steps).
+        snapshot_dtype: how snapshots are stored, one of ``SNAPSHOT_DTYPES``.
     """
 
     name = names.DISPLACEMENT
@@ -36,12 +52,25 @@ class ParameterDisplacement(Probe):
         every_n_steps: int = 1,
         snapshot_budget_mb: float = 64.0,
         snapshot_every_n_steps: int | None = None,
+        snapshot_dtype: str = "float32",
     ) -> None:
         super().__init__(every_n_steps)
+        if snapshot_dtype not in SNAPSHOT_DTYPES:
+            choices = ", ".join(SNAPSHOT_DTYPES)
+            raise ValueError(f"snapshot_dtype must be one of {choices}, got {snapshot_dtype!r}")
         self.snapshot_budget_mb = snapshot_budget_mb
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.snapshot_dtype = snapshot_dtype
+        self.layout: ParameterLayout | None = None  # set at setup, from the module
+        self.snapshot_period = 0  # 0: no snapshots
+        self._expected_steps = math.inf  # the Trainer's estimate of the run's optimizer steps
+        self._params: list[torch.Tensor] = []
         self._theta0: torch.Tensor | None = None
         self._before: torch.Tensor | None = None  # θ_step, copied before a due step
+
+    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Norms of one rank's shards would be recorded as the model's.
+        require_unsharded(trainer, "ParameterDisplacement")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self.layout = ParameterLayout.of(pl_module)
@@ -49,9 +78,16 @@ class ParameterDisplacement(Probe):
         if self._theta0 is None:  # a resumed fit restored θ0 from the checkpoint
             self._theta0 = parameter_vector(pl_module, self.layout)
         self._theta0 = self._theta0.to(self._params[0].device)
-        self.snapshot_period = self._snapshot_period(trainer)
+        steps = trainer.estimated_stepping_batches
+        # Lightning answers -1 (max_steps' default) for an iterable dataset of unknown length.
+        self._expected_steps = steps if 0 < steps < math.inf else math.inf
+        self.snapshot_period, reason = self._snapshot_plan()
+        if reason:
+            self.note(trainer.global_step, f"{reason}: storing θ0 and θT only")
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
+        if self.layout is None:
+            return {}  # the series follow the module's parameters, known at setup
         tensors = self.layout.names
         groups = {
             names.DISPLACEMENT: {
@@ -69,10 +105,32 @@ class ParameterDisplacement(Probe):
             }
         }
         if self.snapshot_period:
-            groups[names.SNAPSHOTS] = {names.SNAPSHOT_THETA: SeriesSpec((self.layout.size,))}
+            groups[names.SNAPSHOTS] = {
+                names.SNAPSHOT_THETA: SeriesSpec((self.layout.size,), self.snapshot_dtype)
+            }
         return groups
 
+    def settings(self) -> dict[str, Any]:
+        if self.layout is None:
+            return {}
+        steps = self._expected_steps
+        return {
+            "snapshots": {
+                "period": self.snapshot_period,
+                "expected": (
+                    math.ceil(steps / self.snapshot_period)
+                    if self.snapshot_period and math.isfinite(steps)
+                    else None
+                ),
+                "dtype": self.snapshot_dtype,
+                "bytes_each": self._snapshot_bytes(),
+                "budget_mb": self.snapshot_budget_mb,
+            }
+        }
+
     def vectors(self) -> dict[str, SeriesSpec]:
+        if self.layout is None:
+            return {}
         return {
             names.THETA0: SeriesSpec((self.layout.size,)),
             names.THETA_FINAL: SeriesSpec((self.layout.size,)),
@@ -128,22 +186,27 @@ class ParameterDisplacement(Probe):
     def _snapshot_due(self, step: int) -> bool:
         return bool(self.snapshot_period) and step % self.snapshot_period == 0
 
-    def _snapshot_period(self, trainer: pl.Trainer) -> int:
+    def _snapshot_bytes(self) -> int:
+        return (4 if self.snapshot_dtype == "float32" else 2) * self.layout.size
+
+    def _snapshot_plan(self) -> tuple[int, str]:
+        """The snapshot period (0: none) and, when the plan keeps none, why."""
         if self.snapshot_every_n_steps is not None:
-            return self.snapshot_every_n_steps
+            return self.snapshot_every_n_steps, ""
         if self.snapshot_budget_mb <= 0:
-            return 0
-        capacity = int(self.snapshot_budget_mb * 2**20 // (4 * self.layout.size))
+            return 0, ""
+        capacity = int(self.snapshot_budget_mb * 2**20 // self._snapshot_bytes())
         if capacity < 2:
-            raise ValueError(
-                f"snapshot_budget_mb={self.snapshot_budget_mb} holds fewer than 2 snapshots of "
-                f"{self.layout.size} parameters"
+            return 0, (
+                f"snapshot_budget_mb={self.snapshot_budget_mb:g} holds fewer than 2 "
+                f"{self.snapshot_dtype} snapshots of {self.layout.size:,} parameters "
+                f"({self._snapshot_bytes() / 2**20:.1f} MiB each); raise the budget, or store "
+                "float16/bfloat16 snapshots (snapshot_dtype)"
             )
-        steps = trainer.estimated_stepping_batches
-        if not math.isfinite(steps):
-            raise ValueError(
-                "ParameterDisplacement cannot spread snapshots over a run of unknown length; "
+        if not math.isfinite(self._expected_steps):
+            return 0, (
+                "the run's length is unknown, so snapshots cannot be spread over it; "
                 "set snapshot_every_n_steps"
             )
         # capacity - 1 intervals between capacity snapshots, the first at step 0.
-        return max(1, math.ceil(steps / (capacity - 1)))
+        return max(1, math.ceil(self._expected_steps / (capacity - 1))), ""

@@ -3,28 +3,43 @@
 A probe has one job: turn the module's state into rows. It never touches the file: it declares
 its series up front (HDF5 before 2.0 cannot create datasets once SWMR writing has begun) and
 hands rows to the recorder, which owns the file, the schedule and the flushing.
+
+Writing one: subclass :class:`Probe`, give it a unique ``name``, create every attribute in
+``__init__`` (calling ``super().__init__``), and override only the hooks the measurement needs.
+The recorder calls them in this order: ``validate`` (fit start), ``setup`` (first batch),
+``series``/``vectors``/``settings``/``initial_vectors``, then per due step ``on_step_start``,
+``on_micro_batch_end`` (each micro-batch) and ``on_step_end`` (returns the step's rows, shaped
+as declared), ``on_validation_end``, ``final_vectors`` and ``teardown``. Hooks leave ``.grad``,
+the RNG, buffers, train/eval flags and parameters as they found them (extra passes run inside
+:func:`dynamics.isolation.side_effect_free`). A hook that cannot measure raises
+:class:`ProbeUnavailable`; any exception disables the probe for the rest of the run (it is not
+retried) with an event in the run file, and training goes on. :meth:`Probe.note` records a
+warning and goes on. :func:`dynamics.callbacks.check_probe` tests a probe against all of this.
+
+Probes do not depend on the Lightning namespace (``pytorch_lightning`` or
+``lightning.pytorch``): they receive whichever Trainer and module the fit uses.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 from dynamics.store import SeriesSpec
 
-_SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 #: Rows a probe returns at a step: ``{group: {series: value}}``. Each group has its own step
 #: index in the run file, so a probe may fill some of its groups at a step and not others.
 Rows = dict[str, dict[str, torch.Tensor | np.ndarray | float]]
 
 
-class ProbeUnavailable(Exception):
+class ProbeUnavailable(ValueError):
     """A probe cannot measure correctly on this model or run (the message says why).
 
     Raised from any probe hook; the recorder records the reason in the run file, warns once,
@@ -46,6 +61,11 @@ class Probe:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
+        self._notes: list[tuple[int, str]] = []
+
+    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Called at fit start, before the sanity check: raise :class:`ProbeUnavailable` now
+        for what can be known before the first batch (strategy, module, configuration)."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """Called at the first training batch of a fit, before its forward and before
@@ -77,6 +97,18 @@ class Probe:
     ) -> None:
         """Before the forward of a due step: arm hooks, copy what must be compared later."""
 
+    def on_micro_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        outputs: Any,
+        step: int,
+    ) -> None:
+        """After each micro-batch of a due step (every one under gradient accumulation, the
+        last just before :meth:`on_step_end`): ``outputs`` is what Lightning passes to
+        ``on_train_batch_end`` for it."""
+
     def on_step_end(
         self,
         trainer: pl.Trainer,
@@ -88,7 +120,8 @@ class Probe:
         """After the optimizer step of a due step: the rows recorded at ``step``.
 
         ``step`` is the number of optimizer steps taken before this batch, so rows describe the
-        parameters θ_step the batch's forward used.
+        parameters θ_step the batch's forward used. ``batch`` and ``outputs`` are the last
+        micro-batch's.
         """
         return {}
 
@@ -111,6 +144,19 @@ class Probe:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, before ``setup`` on a resumed fit."""
 
+    def note(self, step: int, message: str) -> None:
+        """Record a warning in the run file (an event of kind ``"warning"``); the probe goes on.
+
+        The recorder collects notes after each hook and warns once per distinct message, so
+        keep the step out of the message.
+        """
+        self._notes.append((step, message))
+
+    def pop_notes(self) -> list[tuple[int, str]]:
+        """The notes since the last call, as ``(step, message)``; called by the recorder."""
+        notes, self._notes = self._notes, []
+        return notes
+
 
 def detached_copy(batch: Any) -> Any:
     """``batch`` with every tensor a detached clone: a probe batch training cannot alter."""
@@ -121,10 +167,22 @@ def require_unsharded(trainer: pl.Trainer, probe: str) -> None:
     """Refuse strategies that shard parameters: extra passes need every rank to hold them all.
 
     Raises:
-        ValueError: under FSDP, DeepSpeed or model parallelism.
+        ProbeUnavailable: under FSDP, DeepSpeed or model parallelism, from either Lightning
+            namespace.
     """
-    if isinstance(trainer.strategy, _SHARDED):
-        raise ValueError(
+    if isinstance(trainer.strategy, _sharded_strategies()):
+        raise ProbeUnavailable(
             f"{probe} needs every rank to hold all parameters, but "
             f"{type(trainer.strategy).__name__} shards them; use DDP or a single device"
         )
+
+
+def _sharded_strategies() -> tuple[type, ...]:
+    # Only a namespace already imported can have built the Trainer, so the other one is never
+    # imported for the check (``lightning`` is optional and slow to import).
+    return tuple(
+        getattr(sys.modules[module], strategy)
+        for module in ("pytorch_lightning.strategies", "lightning.pytorch.strategies")
+        if module in sys.modules
+        for strategy in ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+    )

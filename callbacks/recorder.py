@@ -1,41 +1,67 @@
-"""The one Lightning callback a user adds: it owns the run file and drives the probes."""
+"""The one Lightning callback a user adds: it owns the run file and drives the probes.
+
+Lightning ships under two namespaces whose ``Callback`` classes differ, and Trainer and
+LightningCLI accept only their own namespace's callbacks. The recorder's logic therefore lives in
+:class:`RecorderBase`, which imports neither; each namespace gets a thin subclass that is also
+its ``Callback``: :class:`DynamicsRecorder` here for ``pytorch_lightning``, and
+``dynamics.callbacks.lightning.DynamicsRecorder`` for ``lightning.pytorch``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Literal, get_args
 
 import h5py
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning.callbacks import Callback
 
 import dynamics
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
-from dynamics.callbacks.probe import Probe, Rows
+from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
 from dynamics.callbacks.training_loss import TrainingLoss
 from dynamics.params import ParameterLayout, parameter_vector, vector_hash
-from dynamics.store import RunWriter, names
+from dynamics.store import RunFileError, RunWriter, SeriesSpec, names
+
+#: What the recorder does when a probe raises: disable it and go on, or end the fit.
+OnProbeError = Literal["disable", "raise"]
 
 
-class DynamicsRecorder(Callback):
+class RecorderBase:
     """Records what its probes measure into one HDF5 run file, without changing the training.
 
-    The recorder owns the file (created at the first training batch, on global rank zero only,
-    refused if it exists unless ``overwrite``), the per-probe schedules, block writes and
-    bounded-interval flushes, and the checkpoint state that lets ``Trainer.fit(ckpt_path=...)``
-    continue the same file: rows recorded after the checkpoint's step are dropped first, so a
-    resumed run's series equal an uninterrupted run's. Probes run on every rank (some need
-    collectives); only rank zero writes.
+    The recorder owns the file (checked at fit start, before the sanity check; created at the
+    first training batch, on global rank zero only; refused if it exists unless ``overwrite``),
+    the per-probe schedules, block writes and bounded-interval flushes, the run status (running,
+    finished or crashed, the last flushed step, wall time), and the checkpoint state that lets
+    ``Trainer.fit(ckpt_path=...)`` continue the same file: rows recorded after the checkpoint's
+    step are dropped first, so a resumed run's series equal an uninterrupted run's. Probes run
+    on every rank (some need collectives); only rank zero writes.
 
     A step's rows describe the parameters θ_step its forward used: probes are armed before the
-    first micro-batch of a due step and collected after its optimizer step.
+    first micro-batch of a due step, see every micro-batch's outputs, and are collected after
+    its optimizer step.
+
+    A probe that raises from any hook — :class:`~dynamics.callbacks.ProbeUnavailable`, or
+    anything else (an unsupported op, a NaN, out of memory), or rows unlike those it declared —
+    is disabled for the rest of the run, not retried: a retried probe would leave gaps that
+    read as measurements. The recorder records an event (step, probe, kind, message; see
+    ``Run.events()``), warns once, and training goes on. A probe disabled before the file
+    exists declares no series. Under DDP each rank disables its own probes, and the file holds
+    rank zero's events.
+
+    This class is not a ``Callback`` itself: use :class:`DynamicsRecorder` (``pytorch_lightning``)
+    or ``dynamics.callbacks.lightning.DynamicsRecorder`` (``lightning.pytorch``).
 
     Args:
         path: the run file to write.
@@ -44,10 +70,17 @@ class DynamicsRecorder(Callback):
         overwrite: replace an existing file at ``path`` (never done silently).
         config: JSON-serializable configuration stored with the run (e.g. the experiment's).
         run_name: a display name; defaults to the file's stem.
-        log_to_loggers: also send scalar series to the Trainer's loggers (TensorBoard, CSV).
+        log_to_loggers: also send series to the Trainer's loggers (TensorBoard, CSV, ...):
+            scalars as ``dynamics/<group>/<series>``, vectors with named columns (per-layer
+            norms, eigenvalues) as ``dynamics/<group>/<series>/<column>``.
         flush_interval_s: longest time rows wait in memory; a killed process loses at most this.
         block_rows: rows buffered per series group before a write.
+        on_probe_error: ``"disable"`` (record, warn, go on) or ``"raise"`` (record, then end
+            the fit with the probe's exception).
     """
+
+    #: The Lightning package of the subclass's namespace; its version is stored with the run.
+    _lightning: ModuleType
 
     def __init__(
         self,
@@ -59,35 +92,157 @@ class DynamicsRecorder(Callback):
         log_to_loggers: bool = False,
         flush_interval_s: float = 5.0,
         block_rows: int = 256,
+        on_probe_error: OnProbeError = "disable",
     ) -> None:
         self.path = Path(path)
         self.probes = list(probes) if probes is not None else _default_probes()
-        names = [p.name for p in self.probes]
-        if len(set(names)) != len(names):
-            raise ValueError(f"probe names must be unique, got {names}")
+        probe_names = [p.name for p in self.probes]
+        if len(set(probe_names)) != len(probe_names):
+            raise ValueError(f"probe names must be unique, got {probe_names}")
+        if on_probe_error not in get_args(OnProbeError):
+            choices = ", ".join(get_args(OnProbeError))
+            raise ValueError(f"on_probe_error must be one of {choices}, got {on_probe_error!r}")
         self.overwrite = overwrite
         self.config = config or {}
         self.run_name = run_name or self.path.stem
         self.log_to_loggers = log_to_loggers
         self.flush_interval_s = flush_interval_s
         self.block_rows = block_rows
+        self.on_probe_error = on_probe_error
         self._writer: RunWriter | None = None
         self._started = False
         self._resume_from: dict[str, int] | None = None
         self._armed: tuple[int, list[Probe]] | None = None
         self._last_step = -1  # last optimizer step whose probes ran
         self._last_rows: dict[str, int] = {}  # last step written, per series group
+        self._disabled: set[str] = set()  # names of probes out of the run
+        self._series: dict[str, dict[str, SeriesSpec]] = {}  # declared series, per group
+        self._vectors: dict[str, SeriesSpec] = {}  # declared vectors
+        self._owners: dict[str, str] = {}  # the probe that declared each group and vector
+        self._unwritten_events: list[tuple[int, str, str, str]] = []  # before the file exists
+        self._warned: set[tuple[str, str]] = set()  # (probe, note) already shown
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(path=str(self.path))
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Before the sanity check, so that a run that cannot be recorded costs nothing.
+        if self._resume_from is None:
+            self._reset()
+            if trainer.ckpt_path is None:  # else the checkpoint may continue the file
+                problem = self._path_problem() if trainer.is_global_zero else None
+                problem = trainer.strategy.broadcast(problem)  # every rank stops, none hangs
+                if problem is not None:
+                    raise RunFileError(problem)
+        for probe in self._active():
+            self._call(trainer, probe, trainer.global_step, probe.validate, trainer, pl_module)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._started:
+            self._start(trainer, pl_module, batch)
+        step = trainer.global_step
+        if self._armed is not None or step == self._last_step:
+            return  # a later micro-batch of a step already armed or recorded
+        due = [p for p in self._active() if self._call(trainer, p, step, p.is_due, step)]
+        for probe in due:
+            self._call(trainer, probe, step, probe.on_step_start, trainer, pl_module, batch, step)
+        self._armed = (step, due)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._armed is None:
+            return
+        step, due = self._armed
+        for probe in self._active(due):
+            self._call(
+                trainer,
+                probe,
+                step,
+                probe.on_micro_batch_end,
+                trainer,
+                pl_module,
+                batch,
+                outputs,
+                step,
+            )
+        if trainer.global_step == step:
+            return  # gradient accumulation: the optimizer has not stepped yet
+        self._armed = None
+        self._last_step = step
+        for probe in self._active(due):
+            self._collect(
+                trainer, probe, step, probe.on_step_end, trainer, pl_module, batch, outputs, step
+            )
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not self._started:
+            return
+        for probe in self._active():
+            self._collect(
+                trainer, probe, trainer.global_step, probe.on_validation_end, trainer, pl_module
+            )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for probe in self._active():
+            self._call(
+                trainer,
+                probe,
+                trainer.global_step,
+                lambda p=probe: self._write_vectors(p, p.final_vectors(trainer, pl_module)),
+            )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close(trainer, names.FINISHED)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._close(trainer, names.CRASHED, f"{type(exception).__name__}: {exception}")
+
+    def state_dict(self) -> dict[str, Any]:
+        # Called as a checkpoint is saved: every row the checkpoint counts as written must be
+        # on disk, or a crash before the next flush would leave a gap on resume.
+        if self._writer is not None:
+            self._writer.flush()
+        return {
+            "path": str(self.path),
+            "last_step": self._last_step,
+            "last_rows": dict(self._last_rows),
+            "disabled": sorted(self._disabled),
+            "probes": {p.name: p.state_dict() for p in self._active()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Rows written before the checkpoint stay; later ones are dropped and recorded again.
+        # Probes disabled before it stay disabled, so their series keep no gap.
+        self._last_step = state_dict["last_step"]
+        self._last_rows = dict(state_dict["last_rows"])
+        self._resume_from = dict(self._last_rows)
+        self._disabled = set(state_dict.get("disabled", ()))
+        for probe in self._active():
+            probe.load_state_dict(state_dict["probes"].get(probe.name, {}))
+
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         # At the first training batch rather than at fit start: probes may keep that batch
         # (a probe batch) and must know its shape before the file's datasets are created.
         self._started = True
-        for probe in self.probes:
-            probe.setup(trainer, pl_module, batch)
+        step = trainer.global_step
+        for probe in self._active():
+            self._call(trainer, probe, step, probe.setup, trainer, pl_module, batch)
+        # Every rank declares, so that every rank checks rows against the declaration.
+        settings = {
+            probe.name: self._call(trainer, probe, step, self._declare, probe, default={})
+            for probe in self._active()
+        }
         if not trainer.is_global_zero:
             return
         # Large rows (snapshots) are written once about two parameter vectors are buffered, so
@@ -99,87 +254,129 @@ class DynamicsRecorder(Callback):
             "flush_interval_s": self.flush_interval_s,
         }
         if self._resume_from is not None:
-            self._writer = RunWriter.resume(self.path, self._resume_from, **writer_options)
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)  # as ModelCheckpoint does for its dir
-        series = {g: s for p in self.probes for g, s in p.series().items()}
-        vectors = {n: s for p in self.probes for n, s in p.vectors().items()}
-        self._writer = RunWriter.create(
-            self.path, series, vectors, self._attrs(pl_module), self.overwrite, **writer_options
-        )
-        for probe in self.probes:
-            for name, value in probe.initial_vectors().items():
-                self._writer.write_vector(name, value)
+            through = self._resume_from | {
+                names.EVENTS: max([self._last_step, *self._resume_from.values()])
+            }
+            self._writer = RunWriter.resume(self.path, through, **writer_options)
+            self._resume_from = None
+        else:
+            self._writer = RunWriter.create(
+                self.path,
+                self._series,
+                self._vectors,
+                self._attrs(pl_module, settings),
+                self.overwrite,
+                **writer_options,
+            )
+        for event in self._unwritten_events:
+            self._writer.append_event(*event)
+        self._unwritten_events = []
+        for probe in self._active():
+            self._call(
+                trainer,
+                probe,
+                step,
+                lambda p=probe: self._write_vectors(p, p.initial_vectors()),
+            )
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if not self._started:
-            self._start(trainer, pl_module, batch)
-        step = trainer.global_step
-        if self._armed is not None or step == self._last_step:
-            return  # a later micro-batch of a step already armed or recorded
-        due = [p for p in self.probes if p.is_due(step)]
-        for probe in due:
-            probe.on_step_start(trainer, pl_module, batch, step)
-        self._armed = (step, due)
+    def _declare(self, probe: Probe) -> dict[str, Any]:
+        """Take in a probe's series and vectors; its settings, checked to be JSON."""
+        series, vectors = probe.series(), probe.vectors()
+        settings = probe.settings()
+        json.dumps(settings)
+        for name in [*series, *vectors]:
+            if name in self._owners and self._owners[name] != probe.name:
+                raise ValueError(f"{name!r} is already declared by probe {self._owners[name]!r}")
+        self._series |= series
+        self._vectors |= vectors
+        self._owners |= dict.fromkeys([*series, *vectors], probe.name)
+        return settings
 
-    def on_train_batch_end(
+    def _call(
         self,
         trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        if self._armed is None or trainer.global_step == self._armed[0]:
-            return  # gradient accumulation: the optimizer has not stepped yet
-        step, due = self._armed
-        self._armed = None
-        self._last_step = step
-        for probe in due:
-            self._record(trainer, step, probe.on_step_end(trainer, pl_module, batch, outputs, step))
+        probe: Probe,
+        step: int,
+        hook: Callable[..., Any],
+        *args: Any,
+        default: Any = None,
+    ) -> Any:
+        """Call one probe hook; if it raises, the probe is out of the run and ``default``
+        stands in for its result."""
+        try:
+            return hook(*args)
+        except Exception as error:
+            self._disable(trainer, probe, step, error)
+            return default
+        finally:
+            for note_step, message in probe.pop_notes():
+                self._event(trainer, note_step, probe, names.EVENT_WARNING, message)
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
-        for probe in self.probes:
-            self._record(trainer, trainer.global_step, probe.on_validation_end(trainer, pl_module))
+    def _disable(self, trainer: pl.Trainer, probe: Probe, step: int, error: Exception) -> None:
+        if isinstance(error, ProbeUnavailable):
+            kind, message = names.EVENT_DISABLED, str(error)
+        else:
+            kind, message = names.EVENT_ERROR, f"{type(error).__name__}: {error}"
+        self._disabled.add(probe.name)
+        self._event(trainer, step, probe, kind, message)
+        if self.on_probe_error == "raise":
+            raise error
+        # Its hooks must stop recording now, not at the end of the fit; a probe that failed may
+        # fail to tear down too, and it is out of the run either way.
+        with contextlib.suppress(Exception):
+            probe.teardown()
+        rank_zero_warn(
+            f"{type(probe).__name__} ({probe.name!r}) is disabled for the rest of the run at step "
+            f"{step}: {message}. Training goes on; the event is recorded in {self.path}."
+        )
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for probe in self.probes:
-            vectors = probe.final_vectors(trainer, pl_module)
-            if self._writer is not None:
-                for name, value in vectors.items():
-                    self._writer.write_vector(name, value)
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close()
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        self._close()
-
-    def state_dict(self) -> dict[str, Any]:
-        # Called as a checkpoint is saved: every row the checkpoint counts as written must be
-        # on disk, or a crash before the next flush would leave a gap on resume.
+    def _event(self, trainer: pl.Trainer, step: int, probe: Probe, kind: str, message: str) -> None:
+        if kind == names.EVENT_WARNING and (probe.name, message) not in self._warned:
+            self._warned.add((probe.name, message))
+            rank_zero_warn(f"{type(probe).__name__} ({probe.name!r}) at step {step}: {message}")
+        event = (step, probe.name, kind, message)
         if self._writer is not None:
-            self._writer.flush()
-        return {
-            "path": str(self.path),
-            "last_step": self._last_step,
-            "last_rows": dict(self._last_rows),
-            "probes": {p.name: p.state_dict() for p in self.probes},
-        }
+            self._writer.append_event(*event)
+        elif trainer.is_global_zero:  # the file does not exist yet
+            self._unwritten_events.append(event)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Rows written before the checkpoint stay; later ones are dropped and recorded again.
-        self._last_step = state_dict["last_step"]
-        self._last_rows = dict(state_dict["last_rows"])
-        self._resume_from = dict(self._last_rows)
-        for probe in self.probes:
-            probe.load_state_dict(state_dict["probes"].get(probe.name, {}))
+    def _collect(
+        self, trainer: pl.Trainer, probe: Probe, step: int, hook: Callable[..., Rows], *args: Any
+    ) -> None:
+        """Record the rows a hook returns; rows unlike the declared series disable the probe."""
+        rows = self._call(
+            trainer, probe, step, lambda: self._checked(probe, hook(*args)), default={}
+        )
+        self._record(trainer, step, rows)
+
+    def _checked(self, probe: Probe, rows: Rows) -> Rows:
+        for group, values in rows.items():
+            if self._owners.get(group) != probe.name:
+                raise ValueError(f"rows for group {group!r}, which {probe.name!r} did not declare")
+            declared = self._series[group]
+            if values.keys() != declared.keys():
+                raise ValueError(
+                    f"rows of {group!r} hold {sorted(values)}, but {sorted(declared)} were declared"
+                )
+            for name, value in values.items():
+                if tuple(np.shape(value)) != declared[name].shape:
+                    raise ValueError(
+                        f"{group}/{name} has shape {tuple(np.shape(value))}, "
+                        f"declared {declared[name].shape}"
+                    )
+        return rows
+
+    def _write_vectors(self, probe: Probe, vectors: Mapping[str, Any]) -> None:
+        for name, value in vectors.items():
+            if self._owners.get(name) != probe.name:
+                raise ValueError(f"vector {name!r}, which {probe.name!r} did not declare")
+            if tuple(np.shape(value)) != self._vectors[name].shape:
+                raise ValueError(
+                    f"vector {name!r} has shape {tuple(np.shape(value))}, "
+                    f"declared {self._vectors[name].shape}"
+                )
+            if self._writer is not None:
+                self._writer.write_vector(name, value)
 
     def _record(self, trainer: pl.Trainer, step: int, rows: Rows) -> None:
         for group, values in rows.items():
@@ -188,20 +385,24 @@ class DynamicsRecorder(Callback):
             self._last_rows[group] = step
             if self._writer is not None:
                 self._writer.append(group, step, values)
-            if self.log_to_loggers and trainer.loggers:
-                self._log_scalars(trainer, step, group, values)
+            if self.log_to_loggers and trainer.loggers and trainer.is_global_zero:
+                self._log(trainer, step, group, values)
 
-    def _log_scalars(self, trainer: pl.Trainer, step: int, group: str, values: dict) -> None:
-        scalars = {
-            f"dynamics/{group}/{name}": float(v)
-            for name, v in values.items()
-            if np.ndim(v) == 0  # tensors answer ndim without a copy to the host
-        }
-        if scalars and trainer.is_global_zero:
+    def _log(self, trainer: pl.Trainer, step: int, group: str, values: Rows) -> None:
+        metrics: dict[str, float] = {}
+        for name, value in values.items():
+            key = f"dynamics/{group}/{name}"
+            columns = self._series[group][name].columns
+            ndim = np.ndim(value)  # tensors answer ndim without a copy to the host
+            if ndim == 0:
+                metrics[key] = float(value)
+            elif ndim == 1 and columns:  # long unnamed rows (snapshots) are not metrics
+                metrics |= {f"{key}/{c}": float(v) for c, v in zip(columns, value.tolist())}
+        if metrics:
             for logger in trainer.loggers:
-                logger.log_metrics(scalars, step=step)
+                logger.log_metrics(metrics, step=step)
 
-    def _attrs(self, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def _attrs(self, pl_module: pl.LightningModule, settings: dict[str, Any]) -> dict[str, Any]:
         layout = ParameterLayout.of(pl_module)
         hparams = dict(getattr(pl_module, "hparams", {}) or {})
         return {
@@ -218,27 +419,63 @@ class DynamicsRecorder(Callback):
                     "class": type(p).__name__,
                     "name": p.name,
                     "every_n_steps": p.every_n_steps,
-                    "settings": p.settings(),
+                    "settings": settings.get(p.name, {}),
                 }
                 for p in self.probes
             ],
             names.ATTR_VERSIONS: {
                 "dynamics": dynamics.__version__,
                 "torch": torch.__version__,
-                "pytorch_lightning": pl.__version__,
+                self._lightning.__name__: self._lightning.__version__,
                 "h5py": h5py.__version__,
                 "numpy": np.__version__,
                 "python": platform.python_version(),
             },
         }
 
-    def _close(self) -> None:
+    def _active(self, probes: Sequence[Probe] | None = None) -> list[Probe]:
+        return [
+            p for p in (self.probes if probes is None else probes) if p.name not in self._disabled
+        ]
+
+    def _path_problem(self) -> str | None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # as ModelCheckpoint does
+            RunWriter.check_path(self.path, self.overwrite)
+        except (OSError, RunFileError) as error:
+            return str(error)
+        return None
+
+    def _reset(self) -> None:
+        # A fresh fit (not resumed from a checkpoint) records from scratch.
+        self._last_step = -1
+        self._last_rows = {}
+        self._disabled = set()
+        self._armed = None
+
+    def _close(self, trainer: pl.Trainer, state: str, exception: str = "") -> None:
+        if self._started:
+            for probe in self._active():
+                try:
+                    probe.teardown()
+                except Exception as error:  # the fit is over: record it, never raise over it
+                    message = f"teardown: {type(error).__name__}: {error}"
+                    self._event(trainer, trainer.global_step, probe, names.EVENT_ERROR, message)
         self._started = False
+        self._armed = None
+        self._series, self._vectors, self._owners = {}, {}, {}
+        self._unwritten_events = []  # a fit that ended before its file existed
         if self._writer is not None:
-            self._writer.close()
+            self._writer.close(state, exception)
             self._writer = None
-        for probe in self.probes:
-            probe.teardown()
+
+
+class DynamicsRecorder(RecorderBase, Callback):
+    """The recorder for ``pytorch_lightning``; what it records and its arguments are in
+    :class:`RecorderBase`. For ``lightning.pytorch`` use
+    ``dynamics.callbacks.lightning.DynamicsRecorder``."""
+
+    _lightning = pl
 
 
 def _default_probes() -> list[Probe]:

@@ -1,6 +1,9 @@
-"""The training loss of each recorded step, as the training step returned it."""
+"""The training loss of each recorded step: what the step's micro-batches returned, unscaled."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -9,19 +12,79 @@ from dynamics.store import View, names
 
 
 class TrainingLoss(Probe):
-    """The loss the module's ``training_step`` returned (tensor or ``dict["loss"]``).
+    """The loss of each recorded optimizer step, as ``training_step`` computed it.
 
-    A step that returned no loss (Lightning's way to skip a batch) records NaN.
+    Under gradient accumulation the row is the mean over the step's micro-batches of the loss
+    each returned, unscaled: Lightning hands callbacks the loss divided by
+    ``accumulate_grad_batches`` (the share each micro-batch adds to the gradient), which this
+    probe multiplies back, so the curve is comparable with a validation loss whatever the
+    accumulation.
+
+    A micro-batch whose ``training_step`` returned no loss (manual optimization often returns
+    nothing) contributes the value it logged under ``loss_key`` (``self.log(loss_key, ...)``;
+    ``<loss_key>_step`` when it logged on step and epoch), and a warning event says so once. A
+    step with neither records NaN, with one warning event for the run.
+
+    Args:
+        loss_key: the logged metric that stands in for a loss ``training_step`` did not return.
+        every_n_steps: recording period in optimizer steps.
     """
 
     name = names.LOSS
+
+    def __init__(self, loss_key: str = "train_loss", every_n_steps: int = 1) -> None:
+        super().__init__(every_n_steps)
+        self.loss_key = loss_key
+        self._losses: list[torch.Tensor] = []  # unscaled, one per micro-batch of the due step
+        self._noted: set[str] = set()  # the notes already made: each is made once per run
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         view = View("scalar", "Training loss", "loss", log_y=True)
         return {names.LOSS: {names.LOSS_TRAIN: SeriesSpec(view=view)}}
 
+    def settings(self) -> dict[str, Any]:
+        return {"loss_key": self.loss_key, "reduction": "mean of unscaled micro-batch losses"}
+
+    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+        self._losses = []
+
+    def on_micro_batch_end(self, trainer, pl_module, batch, outputs, step) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            if pl_module.automatic_optimization:
+                # Lightning divides what training_step returned by the accumulation count.
+                loss = loss * trainer.accumulate_grad_batches
+        else:
+            loss = self._logged_loss(trainer, step)
+        if loss is not None:
+            self._losses.append(loss.detach().float().reshape(()))
+
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if not isinstance(loss, torch.Tensor):
+        if self._losses:
+            loss = torch.stack(self._losses).mean()
+        else:
+            self._note_once(
+                step,
+                f"training_step returned no loss and logged no {self.loss_key!r}; recorded NaN "
+                "(return the loss, or set TrainingLoss(loss_key=...) to what the step logs)",
+            )
             loss = torch.tensor(float("nan"))
-        return {names.LOSS: {names.LOSS_TRAIN: loss.detach().float().reshape(())}}
+        self._losses = []
+        return {names.LOSS: {names.LOSS_TRAIN: loss}}
+
+    def _logged_loss(self, trainer, step: int) -> torch.Tensor | None:
+        metrics = trainer.callback_metrics
+        # With on_step and on_epoch logging, the bare key may hold the last epoch's mean.
+        for key in (f"{self.loss_key}_step", self.loss_key):
+            if isinstance(metrics.get(key), torch.Tensor):
+                self._note_once(
+                    step,
+                    f"training_step returned no loss; recording the logged {key!r} instead",
+                )
+                return metrics[key]
+        return None
+
+    def _note_once(self, step: int, message: str) -> None:
+        if message not in self._noted:
+            self._noted.add(message)
+            self.note(step, message)

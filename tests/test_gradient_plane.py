@@ -95,7 +95,8 @@ def test_partner_plane_coordinates_decompose_the_displacement(tmp_path, quiet_tr
 def test_partner_with_another_theta0_is_refused(tmp_path, quiet_trainer):
     fit(quiet_trainer, tmp_path / "a.h5", [GradientPlane()])
     other = TeacherStudentModule(**ARCH, seed=5)
-    recorder = DynamicsRecorder(tmp_path / "b.h5", [GradientPlane(partner=tmp_path / "a.h5")])
+    plane = GradientPlane(partner=tmp_path / "a.h5")
+    recorder = DynamicsRecorder(tmp_path / "b.h5", [plane], on_probe_error="raise")
     with pytest.raises(ValueError, match="does not share"):
         quiet_trainer(max_steps=2, callbacks=[recorder]).fit(
             other, TeacherStudentData(**ARCH, batch_size=16)

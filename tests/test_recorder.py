@@ -224,3 +224,20 @@ def test_probes_extra_passes_are_not_recorded_as_hidden_states(tmp_path, quiet_t
         [HiddenStateNorms(), HessianSpectrum(k=2, every_n_steps=2), GradientPlane()], "with"
     )
     np.testing.assert_array_equal(alone, with_hessian)
+
+
+def test_a_validation_metric_never_logged_is_nan_with_one_warning_event(tmp_path, quiet_trainer):
+    path = tmp_path / "val.h5"
+    module, data = tiny_teacher_student()
+    trainer = quiet_trainer(
+        max_steps=6,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        callbacks=[DynamicsRecorder(path, [LoggedMetrics(["val_loss", "val_accuracy"])])],
+    )
+    with pytest.warns(UserWarning, match="'val_accuracy' was not logged"):
+        trainer.fit(module, data)
+    run = open_run(path)
+    validation = run.series("validation")
+    assert np.isfinite(validation["val_loss"]).all() and np.isnan(validation["val_accuracy"]).all()
+    assert [(e.step, e.kind) for e in run.events()] == [(2, "warning")]

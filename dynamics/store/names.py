@@ -17,6 +17,33 @@ ATTR_PROBES = "probes"  # [{"class", "name", "every_n_steps"}, ...]
 # Per-dataset attributes.
 ATTR_COLUMNS = "columns"  # names of a series' last axis
 ATTR_VIEW = "view"  # how a series is drawn (schema.View as JSON)
+ATTR_ENCODING = "encoding"  # how stored values decode, e.g. "bfloat16" kept as its uint16 bits
+
+# Events: one row per thing a probe reported (disabled, failed, warned), its own step index.
+EVENTS = "events"
+EVENT_STEP = "step"
+EVENT_PROBE = "probe"
+EVENT_KIND = "kind"
+EVENT_MESSAGE = "message"
+EVENT_DISABLED = "disabled"  # the probe stepped aside (ProbeUnavailable)
+EVENT_ERROR = "error"  # the probe raised; it is disabled for the rest of the run
+EVENT_WARNING = "warning"  # a note; the probe goes on
+
+# Run status: fixed-size datasets updated in place (nothing can be created under SWMR).
+STATUS = "status"
+STATUS_STATE = "state"
+STATUS_EXCEPTION = "exception"  # "Type: message" of the exception that ended a crashed run
+STATUS_LAST_STEP = "last_step"  # the largest step of any row made durable (-1: none yet)
+STATUS_WALL_TIME = "wall_time_s"  # seconds of writing, summed over resumed fits
+STATUS_STARTED = "started_at"  # Unix time the file was created
+STATUS_UPDATED = "updated_at"  # Unix time of the last flush
+STATUS_PID = "pid"  # the writing process, so a reader can tell a live run from a killed one
+STATUS_HOST = "host"
+RUNNING = "running"
+FINISHED = "finished"
+CRASHED = "crashed"
+KILLED = "killed"  # never stored: inferred by the reader for a run whose writer is gone
+UNKNOWN = "unknown"  # files written before the status was recorded
 
 # Vectors, written once.
 THETA0 = "theta0"

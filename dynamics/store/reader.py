@@ -6,7 +6,9 @@ plain open of such a file); a finished one is opened plainly, which also detects
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +19,7 @@ import numpy as np
 
 from dynamics.store import names
 from dynamics.store.schema import (
+    BFLOAT16,
     SCHEMA,
     SCHEMA_VERSION,
     SERIES,
@@ -55,8 +58,53 @@ class Series:
         return self.values[name]
 
 
+@dataclass(frozen=True)
+class Event:
+    """Something a probe reported during the run.
+
+    Attributes:
+        step: the optimizer step it happened at.
+        probe: the probe's name.
+        kind: ``"disabled"`` (the probe stepped aside), ``"error"`` (it raised and was disabled)
+            or ``"warning"`` (a note; the probe went on).
+        message: what happened, in one line.
+    """
+
+    step: int
+    probe: str
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """How far a run got and how it ended.
+
+    Attributes:
+        state: ``"running"``, ``"finished"``, ``"crashed"``, ``"killed"`` (the file says
+            running but its writer, on this host, is gone) or ``"unknown"`` (a file from before
+            the status was recorded).
+        exception: ``"Type: message"`` of the exception that crashed the run, else ``""``.
+        last_step: the largest step of any row made durable; None before the first.
+        wall_time_s: seconds between the file's creation and its last flush, over every
+            resumed fit.
+        started_at: Unix time the file was created.
+        updated_at: Unix time of the last flush.
+    """
+
+    state: str
+    exception: str = ""
+    last_step: int | None = None
+    wall_time_s: float | None = None
+    started_at: float | None = None
+    updated_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 class Run:
-    """A run file's metadata, series and vectors; see :func:`open_run`."""
+    """A run file's metadata, series, vectors, events and status; see :func:`open_run`."""
 
     def __init__(self, path: Path, attrs: dict[str, Any], groups: tuple[str, ...], vectors: dict):
         self.path = path
@@ -101,8 +149,52 @@ class Run:
         unfilled = value.dtype.kind in "fc" and np.isnan(value).all()
         return None if unfilled else value
 
+    def events(self) -> list[Event]:
+        """What probes reported (disabled, failed, warned), in the order it happened.
+
+        Read anew at each call, so a live run's latest events show.
+        """
+        with _open(self.path) as file:
+            if names.EVENTS not in file:
+                return []
+            group = file[names.EVENTS]
+            steps = group[STEP][:]
+            fields = [
+                group[name][:]
+                for name in (names.EVENT_PROBE, names.EVENT_KIND, names.EVENT_MESSAGE)
+            ]
+        # A killed writer can leave a row's fields without its step, or a step unwritten.
+        rows = min(len(steps), *map(len, fields))
+        return [
+            Event(int(steps[i]), *(_decoded_text(field[i]) for field in fields))
+            for i in range(rows)
+            if steps[i] != UNWRITTEN_STEP
+        ]
+
+    def status(self) -> RunStatus:
+        """The run's state, last flushed step and wall time, read anew at each call."""
+        with _open(self.path) as file:
+            if names.STATUS not in file:
+                return RunStatus(names.UNKNOWN)
+            fields = {name: _decoded_text(d[()]) for name, d in file[names.STATUS].items()}
+        state = fields[names.STATUS_STATE]
+        if state == names.RUNNING and not _writer_alive(
+            fields[names.STATUS_HOST], fields[names.STATUS_PID]
+        ):
+            state = names.KILLED
+        last_step = fields[names.STATUS_LAST_STEP]
+        return RunStatus(
+            state=state,
+            exception=fields[names.STATUS_EXCEPTION],
+            last_step=None if last_step == UNWRITTEN_STEP else last_step,
+            wall_time_s=fields[names.STATUS_WALL_TIME],
+            started_at=fields[names.STATUS_STARTED],
+            updated_at=fields[names.STATUS_UPDATED],
+        )
+
     def summary(self) -> dict[str, Any]:
-        """Series lengths, step ranges and metadata, as ``dynamics info`` prints them."""
+        """Series lengths, step ranges, status, events and metadata, as ``dynamics info``
+        prints them."""
         series = {}
         for group in self.groups:
             rows = self.series(group)
@@ -116,6 +208,8 @@ class Run:
             "path": str(self.path),
             "schema_version": self.attrs.get("schema_version"),
             "run_name": self.name,
+            "status": self.status().to_dict(),
+            "events": [dataclasses.asdict(event) for event in self.events()],
             "series": series,
             "vectors": {n: list(s) for n, s in self._vector_shapes.items()},
             "attrs": {
@@ -168,9 +262,37 @@ def _open(path: Path) -> h5py.File:
     return h5py.File(path, "r", swmr=True)
 
 
+def _writer_alive(host: str, pid: int) -> bool:
+    if host != socket.gethostname():
+        return True  # another machine's processes cannot be seen from here: trust the file
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def _decoded_text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return value.item() if hasattr(value, "item") else value
+
+
+def _values(dataset: h5py.Dataset) -> np.ndarray:
+    # Half-precision series are read as float32, so no analysis computes in half precision.
+    if dataset.attrs.get(names.ATTR_ENCODING) == BFLOAT16:
+        # bfloat16 is the upper half of a float32: shifting the bits back up is exact.
+        return (dataset[:].astype(np.uint32) << 16).view(np.float32)
+    if dataset.dtype == np.float16:
+        return dataset[:].astype(np.float32)
+    return dataset[:]
+
+
 def _read_series(group: h5py.Group) -> Series:
     step = group[STEP][:]
-    values = {name: d[:] for name, d in group.items() if name != STEP}
+    values = {name: _values(d) for name, d in group.items() if name != STEP}
     # A killed writer can leave extents ahead of data: keep the rows whose step and values all
     # arrived (a strictly increasing prefix of written steps).
     n = min([len(step), *(len(v) for v in values.values())])

@@ -3,15 +3,25 @@
 Layout of a run file (HDF5, one per run)::
 
     /                       attrs: schema, schema_version, config, versions, layout,
-                                   theta0_sha256, module (JSON strings where structured)
+                                   theta0_sha256, module, probes (JSON strings where structured)
     /series/<group>/step    int64 (n,), the optimizer step of each row, strictly increasing
     /series/<group>/<name>  (n, *shape) one row per recorded step; attr ``columns`` when the
                             last axis is named (layers, parameter tensors), attr ``view`` when
-                            the series is drawn (see :class:`View`)
+                            the series is drawn (see :class:`View`), attr ``encoding`` when the
+                            stored values need decoding (``bfloat16``: the uint16 upper halves
+                            of float32 values)
     /vectors/<name>         vectors written once: θ0, θ_T, initial gradients, probe batches
+    /events/step            int64 (n,), non-decreasing: what probes reported, one row each
+    /events/{probe,kind,message}  fixed-length UTF-8 strings (kind: disabled, error, warning)
+    /status/<field>         scalars updated in place: state (running, finished, crashed),
+                            exception, last_step (last flushed), wall_time_s, started_at,
+                            updated_at (Unix times), pid and host of the writer
 
 Every series group has its own ``step`` dataset because probes record on their own schedules.
-The names of groups, series, vectors and attributes are in :mod:`dynamics.store.names`.
+Events and status exist in every file, declared empty up front: under SWMR nothing can be
+created, attributes included. Files from before they existed read as no events and an
+``unknown`` state. The names of groups, series, vectors and attributes are in
+:mod:`dynamics.store.names`.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamics.errors import DynamicsError
+from dynamics.store import names
 
 SCHEMA = "dynamics-run"
 SCHEMA_VERSION = 1
@@ -33,6 +44,17 @@ LIBVER = ("v110", "v110")
 #: Row fill for ``step``: a row whose extent reached the file before its data (a crash between
 #: HDF5's metadata and raw-data writes) reads as -1 and is dropped by the reader.
 UNWRITTEN_STEP = -1
+#: Bytes (UTF-8) of each fixed-length text field; longer text is cut at a character boundary.
+TEXT_BYTES = {
+    names.EVENT_PROBE: 64,
+    names.EVENT_KIND: 16,
+    names.EVENT_MESSAGE: 512,
+    names.STATUS_STATE: 16,
+    names.STATUS_EXCEPTION: 512,
+    names.STATUS_HOST: 256,
+}
+#: Storage of a ``SeriesSpec`` dtype that HDF5 has no type for: its bits and the decoding attr.
+BFLOAT16 = "bfloat16"
 
 
 #: How a series can be drawn over steps (see :class:`View`).
@@ -75,7 +97,10 @@ class View:
 @dataclass(frozen=True)
 class SeriesSpec:
     """Shape (per row) and dtype of one series; ``columns`` names the last axis, ``view`` says
-    how it is drawn (None: not drawn, e.g. parameter snapshots)."""
+    how it is drawn (None: not drawn, e.g. parameter snapshots).
+
+    ``dtype`` is a NumPy dtype name or ``"bfloat16"`` (stored as bits, read back as float32).
+    """
 
     shape: tuple[int, ...] = ()
     dtype: str = "float32"

@@ -3,11 +3,14 @@
 The writer creates every dataset before SWMR writing starts (HDF5 before 2.0 refuses to create
 objects afterwards, and a live reader would not see them), buffers rows in memory and appends
 them in blocks, flushing at a bounded interval so a killed process loses at most that interval.
+Each flush also updates the run status in place (last flushed step, wall time), and closing
+records how the run ended.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -19,11 +22,13 @@ import numpy as np
 
 from dynamics.store import names
 from dynamics.store.schema import (
+    BFLOAT16,
     LIBVER,
     SCHEMA,
     SCHEMA_VERSION,
     SERIES,
     STEP,
+    TEXT_BYTES,
     UNWRITTEN_STEP,
     VECTORS,
     RunFileError,
@@ -71,7 +76,12 @@ class RunWriter:
             name: (group[STEP], {n: d for n, d in group.items() if n != STEP})
             for name, group in file.get(SERIES, {}).items()
         }
-        self._last_flush = time.monotonic()
+        events = file[names.EVENTS]
+        self._events = (events[STEP], {n: d for n, d in events.items() if n != STEP})
+        self._status = dict(file[names.STATUS].items())
+        self._wall_before = float(self._status[names.STATUS_WALL_TIME][()])
+        self._written_step = int(self._status[names.STATUS_LAST_STEP][()])
+        self._opened = self._last_flush = time.monotonic()
 
     @property
     def path(self) -> Path:
@@ -101,10 +111,7 @@ class RunWriter:
             RunFileError: if ``path`` exists and ``overwrite`` is false, or its folder is missing.
         """
         path = Path(path)
-        if path.exists() and not overwrite:
-            raise RunFileError(f"{path} exists; pass overwrite=True (or --overwrite) to replace it")
-        if not path.parent.is_dir():
-            raise RunFileError(f"folder {path.parent} does not exist")
+        cls.check_path(path, overwrite)
         file = h5py.File(path, "w", libver=LIBVER)
         file.attrs["schema"] = SCHEMA
         file.attrs["schema_version"] = SCHEMA_VERSION
@@ -116,7 +123,22 @@ class RunWriter:
             file.require_group(VECTORS).create_dataset(
                 name, shape=spec.shape, dtype=spec.dtype, fillvalue=_unfilled(spec.dtype)
             )
+        _create_events(file)
+        _create_status(file, started_at=time.time(), wall_time_s=0.0, last_step=UNWRITTEN_STEP)
         return cls(file, **kwargs)
+
+    @staticmethod
+    def check_path(path: str | os.PathLike, overwrite: bool = False) -> None:
+        """Refuse, before anything is written, a path :meth:`create` would refuse.
+
+        Raises:
+            RunFileError: if ``path`` exists and ``overwrite`` is false, or its folder is missing.
+        """
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise RunFileError(f"{path} exists; pass overwrite=True (or --overwrite) to replace it")
+        if not path.parent.is_dir():
+            raise RunFileError(f"folder {path.parent} does not exist")
 
     @classmethod
     def resume(
@@ -131,8 +153,9 @@ class RunWriter:
                 those of an uninterrupted run.
             **kwargs: ``block_rows``, ``block_bytes`` and ``flush_interval_s``.
 
-        The file is rewritten through a SWMR read, which also recovers a file whose writer was
-        killed (HDF5 refuses to reopen those for writing).
+        Events are kept through ``through_steps[names.EVENTS]`` likewise. The file is rewritten
+        through a SWMR read, which also recovers a file whose writer was killed (HDF5 refuses to
+        reopen those for writing); its status continues (start time, wall time so far).
         """
         path = Path(path)
         if not path.exists():
@@ -141,20 +164,29 @@ class RunWriter:
         with h5py.File(path, "r", swmr=True) as old, h5py.File(staging, "w", libver=LIBVER) as new:
             for key, value in old.attrs.items():
                 new.attrs[key] = value
+            last_step = UNWRITTEN_STEP
             for group_name, group in old.get(SERIES, {}).items():
-                keep = _rows_through(group, through_steps.get(group_name, UNWRITTEN_STEP))
-                target = new.require_group(SERIES).create_group(group_name)
-                for name, dataset in group.items():
-                    copy = target.create_dataset(
-                        name,
-                        data=dataset[:keep],
-                        maxshape=(None, *dataset.shape[1:]),
-                        chunks=dataset.chunks,
-                        fillvalue=dataset.fillvalue,
-                    )
-                    copy.attrs.update(dataset.attrs)
+                steps = _copy_rows(
+                    group,
+                    new.require_group(SERIES).create_group(group_name),
+                    through_steps.get(group_name, UNWRITTEN_STEP),
+                )
+                if len(steps):
+                    last_step = max(last_step, int(steps[-1]))
+            if names.EVENTS in old:
+                events = new.create_group(names.EVENTS)
+                _copy_rows(old[names.EVENTS], events, through_steps.get(names.EVENTS, -1))
+            else:  # a file from before events were recorded
+                _create_events(new)
             if VECTORS in old:
                 old.copy(old[VECTORS], new)
+            status = old.get(names.STATUS, {})
+            _create_status(
+                new,
+                started_at=_scalar(status, names.STATUS_STARTED, time.time()),
+                wall_time_s=_scalar(status, names.STATUS_WALL_TIME, 0.0),
+                last_step=last_step,
+            )
         os.replace(staging, path)
         return cls(h5py.File(path, "r+", libver=LIBVER), **kwargs)
 
@@ -171,28 +203,58 @@ class RunWriter:
         elif len(rows) >= self.block_rows or size >= self.block_bytes:
             self._write(group)
 
+    def append_event(self, step: int, probe: str, kind: str, message: str) -> None:
+        """Write one event row at once (events are rare; the next flush makes it durable)."""
+        steps, fields = self._events
+        row = steps.shape[0]
+        for name, text in (
+            (names.EVENT_PROBE, probe),
+            (names.EVENT_KIND, kind),
+            (names.EVENT_MESSAGE, message),
+        ):
+            fields[name].resize((row + 1,))
+            fields[name][row] = _text(text, fields[name].dtype)
+        steps.resize((row + 1,))  # the step last, as for series rows
+        steps[row] = step
+
     def write_vector(self, name: str, value: Any) -> None:
         """Fill a declared vector (θ0, θ_T, ...) and flush it to disk at once."""
         self._file[VECTORS][name][...] = _to_numpy(value)
         self.flush()
 
     def flush(self) -> None:
-        """Write every buffered row and make it durable for readers."""
+        """Write every buffered row and make it durable for readers, with the status."""
         for group in list(self._pending):
             self._write(group)
+        now = time.monotonic()
+        self._status[names.STATUS_LAST_STEP][()] = self._written_step
+        self._status[names.STATUS_WALL_TIME][()] = self._wall_before + now - self._opened
+        self._status[names.STATUS_UPDATED][()] = time.time()
         self._file.flush()
-        self._last_flush = time.monotonic()
+        self._last_flush = now
 
     def _write(self, group: str) -> None:
         rows = self._pending.pop(group, [])
         self._pending_bytes.pop(group, None)
         if rows:
             _append_rows(*self._groups[group], rows)
+            self._written_step = max(self._written_step, rows[-1][0])
 
-    def close(self) -> None:
+    def close(self, state: str = names.FINISHED, exception: str = "") -> None:
+        """Write everything, record how the run ended and close the file.
+
+        Args:
+            state: ``names.FINISHED`` or ``names.CRASHED``.
+            exception: for a crash, ``"Type: message"`` of the exception that ended it.
+        """
         if self._file.id.valid:
+            self._set_text(names.STATUS_STATE, state)
+            self._set_text(names.STATUS_EXCEPTION, exception)
             self.flush()
             self._file.close()
+
+    def _set_text(self, field: str, text: str) -> None:
+        self._status[field][()] = _text(text, self._status[field].dtype)
 
     def _interval_elapsed(self) -> bool:
         return time.monotonic() - self._last_flush >= self.flush_interval_s
@@ -203,25 +265,104 @@ def _create_group(group: h5py.Group, specs: Mapping[str, Any]) -> None:
         STEP, shape=(0,), maxshape=(None,), dtype="int64", chunks=(4096,), fillvalue=UNWRITTEN_STEP
     )
     for name, spec in specs.items():
-        row_bytes = np.dtype(spec.dtype).itemsize * max(1, int(np.prod(spec.shape)))
+        row_bytes = np.dtype(_stored(spec.dtype)).itemsize * max(1, int(np.prod(spec.shape)))
         chunk_rows = max(1, min(1024, _CHUNK_BYTES // row_bytes))
         dataset = group.create_dataset(
             name,
             shape=(0, *spec.shape),
             maxshape=(None, *spec.shape),
-            dtype=spec.dtype,
+            dtype=_stored(spec.dtype),
             chunks=(chunk_rows, *spec.shape),
             fillvalue=_unfilled(spec.dtype),
         )
+        if spec.dtype == BFLOAT16:
+            dataset.attrs[names.ATTR_ENCODING] = BFLOAT16
         if spec.columns is not None:
             dataset.attrs[names.ATTR_COLUMNS] = encode_attr(list(spec.columns))
         if spec.view is not None:
             dataset.attrs[names.ATTR_VIEW] = encode_attr(spec.view.to_dict())
 
 
+def _create_events(file: h5py.File) -> None:
+    group = file.create_group(names.EVENTS)
+    group.create_dataset(
+        STEP, shape=(0,), maxshape=(None,), dtype="int64", chunks=(256,), fillvalue=UNWRITTEN_STEP
+    )
+    for name in (names.EVENT_PROBE, names.EVENT_KIND, names.EVENT_MESSAGE):
+        group.create_dataset(
+            name, shape=(0,), maxshape=(None,), dtype=_text_dtype(name), chunks=(256,)
+        )
+
+
+def _create_status(file: h5py.File, started_at: float, wall_time_s: float, last_step: int) -> None:
+    group = file.create_group(names.STATUS)
+    for name, value in (
+        (names.STATUS_LAST_STEP, np.int64(last_step)),
+        (names.STATUS_WALL_TIME, np.float64(wall_time_s)),
+        (names.STATUS_STARTED, np.float64(started_at)),
+        (names.STATUS_UPDATED, np.float64(started_at)),
+        (names.STATUS_PID, np.int64(os.getpid())),
+    ):
+        group.create_dataset(name, data=value)
+    for name, text in (
+        (names.STATUS_STATE, names.RUNNING),
+        (names.STATUS_EXCEPTION, ""),
+        (names.STATUS_HOST, socket.gethostname()),
+    ):
+        group.create_dataset(name, data=_text(text, _text_dtype(name)))
+
+
+def _text_dtype(field: str) -> np.dtype:
+    return h5py.string_dtype("utf-8", TEXT_BYTES[field])
+
+
+def _text(text: str, dtype: np.dtype) -> np.ndarray:
+    # Cut to the field's bytes without splitting a character; the dtype carries the UTF-8 tag
+    # HDF5 needs to convert it.
+    encoded = text.encode()[: dtype.itemsize].decode(errors="ignore").encode()
+    return np.array(encoded, dtype=dtype)
+
+
+def _scalar(group: Any, name: str, default: float) -> float:
+    return float(group[name][()]) if name in group else default
+
+
+def _copy_rows(source: h5py.Group, target: h5py.Group, through_step: int) -> np.ndarray:
+    """Copy a group's rows up to ``through_step`` into ``target``; the steps kept."""
+    keep = _rows_through(source, through_step)
+    for name, dataset in source.items():
+        copy = target.create_dataset(
+            name,
+            data=dataset[:keep],
+            maxshape=(None, *dataset.shape[1:]),
+            chunks=dataset.chunks,
+            fillvalue=dataset.fillvalue,
+        )
+        copy.attrs.update(dataset.attrs)
+    return source[STEP][:keep]
+
+
+def _stored(dtype: str) -> str:
+    return "uint16" if dtype == BFLOAT16 else dtype
+
+
 def _unfilled(dtype: str) -> float | int:
     # NaN marks "never written" where the dtype can hold it.
+    if dtype == BFLOAT16:
+        return _BFLOAT16_NAN
     return np.nan if np.dtype(dtype).kind in "fc" else 0
+
+
+_BFLOAT16_NAN = 0x7FC0
+
+
+def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """The bfloat16 nearest each value (ties to even, as torch rounds), as its uint16 bits."""
+    values = np.asarray(values, dtype=np.float32)
+    bits = values.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    # Rounding could carry a NaN's payload into the exponent; every NaN stays the quiet NaN.
+    return np.where(np.isnan(values), _BFLOAT16_NAN, rounded).astype(np.uint16)
 
 
 def _append_rows(
@@ -235,6 +376,8 @@ def _append_rows(
     # per dataset, and a step row that never arrived reads as UNWRITTEN_STEP).
     for name, dataset in datasets.items():
         block = _stack([values[name] for _, values in rows])
+        if dataset.dtype == np.uint16 and dataset.attrs.get(names.ATTR_ENCODING) == BFLOAT16:
+            block = _bfloat16_bits(block)
         dataset.resize(stop, axis=0)
         dataset[start:stop] = block
     steps.resize((stop,))
@@ -251,13 +394,15 @@ def _stack(values: list[Any]) -> np.ndarray:
     torch = _torch()
     if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
         # One device-to-host copy per block rather than per row.
-        return torch.stack([v.detach() for v in values]).cpu().numpy()
+        return _to_numpy(torch.stack([v.detach() for v in values]))
     return np.stack([_to_numpy(v) for v in values])
 
 
 def _to_numpy(value: Any) -> np.ndarray:
     torch = _torch()
     if torch is not None and isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:  # NumPy has no bfloat16; float32 holds every value
+            value = value.float()
         return value.detach().cpu().numpy()
     return np.asarray(value)
 

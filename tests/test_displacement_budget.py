@@ -1,0 +1,125 @@
+"""ParameterDisplacement scales its snapshot plan to the budget: any model size, any run length."""
+
+from types import SimpleNamespace
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from pytorch_lightning import LightningModule
+from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from dynamics import open_run
+from dynamics.callbacks import DynamicsRecorder, ParameterDisplacement, ProbeUnavailable
+from dynamics.params import parameter_vector
+
+
+class Wide(LightningModule):
+    """9,003,000 float32 parameters: above what 64 MiB holds two snapshots of."""
+
+    def __init__(self, width: int = 3000) -> None:
+        super().__init__()
+        self.layer = nn.Linear(width, width)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.layer(batch), batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(8, 3000, generator=torch.Generator().manual_seed(0)), 4)
+
+
+def displacement_settings(run):
+    [probe] = [p for p in run.attrs["probes"] if p["name"] == "displacement"]
+    return probe["settings"]["snapshots"]
+
+
+def test_the_default_recorder_records_a_9m_parameter_model(tmp_path, quiet_trainer):
+    module, path = Wide(), tmp_path / "wide.h5"
+    theta0 = parameter_vector(module)
+    assert theta0.numel() == 9_003_000
+    with pytest.warns(UserWarning, match="holds fewer than 2 float32 snapshots"):
+        quiet_trainer(max_steps=2, callbacks=[DynamicsRecorder(path)]).fit(module)
+    run = open_run(path)
+    assert {"loss", "hidden_norms", "displacement"} <= set(run.groups)
+    assert "snapshots" not in run.groups
+    np.testing.assert_array_equal(run.series("displacement").step, [0, 1])
+    np.testing.assert_array_equal(run.vector("theta0"), theta0.numpy())
+    np.testing.assert_array_equal(run.vector("theta_final"), parameter_vector(module).numpy())
+    [event] = run.events()
+    assert (event.step, event.probe, event.kind) == (0, "displacement", "warning")
+    assert "9,003,000 parameters (34.3 MiB each)" in event.message
+    assert "storing θ0 and θT only" in event.message
+    assert displacement_settings(run) == {
+        "period": 0,
+        "expected": None,
+        "dtype": "float32",
+        "bytes_each": 4 * 9_003_000,
+        "budget_mb": 64.0,
+    }
+
+
+# float16 keeps an absolute 2⁻²⁴ below its normal range (6·10⁻⁵); bfloat16 has float32's range.
+@pytest.mark.parametrize(
+    "dtype, rtol, atol", [("float16", 2**-11, 2**-25), ("bfloat16", 2**-8, 1e-38)]
+)
+def test_half_precision_snapshots_fit_where_float32_ones_do_not(
+    tmp_path, quiet_trainer, dtype, rtol, atol
+):
+    module, path = Wide(), tmp_path / "half.h5"
+    theta0 = parameter_vector(module).numpy()
+    probe = ParameterDisplacement(snapshot_dtype=dtype)
+    quiet_trainer(max_steps=2, callbacks=[DynamicsRecorder(path, [probe])]).fit(module)
+    run = open_run(path)
+    assert run.events() == []
+    snapshots = run.series("snapshots")
+    np.testing.assert_array_equal(snapshots.step, [0, 1])
+    np.testing.assert_allclose(snapshots["theta"][0], theta0, rtol=rtol, atol=atol)
+    assert displacement_settings(run) == {
+        "period": 1,
+        "expected": 2,
+        "dtype": dtype,
+        "bytes_each": 2 * 9_003_000,
+        "budget_mb": 64.0,
+    }
+    with h5py.File(path) as file:  # half the bytes on disk, and the precision is said there
+        stored = file["series/snapshots/theta"]
+        assert stored.dtype.itemsize == 2
+        assert dtype in (str(stored.dtype), stored.attrs.get("encoding"))
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.randn(3, 4, 3000, generator=torch.Generator().manual_seed(0)))
+
+
+def test_a_run_of_unknown_length_keeps_no_snapshots_and_says_why(tmp_path, quiet_trainer):
+    path = tmp_path / "stream.h5"
+    module = Wide()
+    probe = ParameterDisplacement(snapshot_budget_mb=1000)
+    with pytest.warns(UserWarning, match="length is unknown"):
+        quiet_trainer(max_epochs=1, callbacks=[DynamicsRecorder(path, [probe])]).fit(
+            module, DataLoader(Stream(), batch_size=None)
+        )
+    run = open_run(path)
+    assert "snapshots" not in run.groups and len(run.series("displacement")) == 3
+    assert "set snapshot_every_n_steps" in run.events()[0].message
+
+
+@pytest.mark.parametrize("strategy", [FSDPStrategy, DeepSpeedStrategy])
+def test_sharded_parameters_are_refused_before_training(strategy):
+    trainer = SimpleNamespace(strategy=strategy.__new__(strategy))
+    with pytest.raises(ProbeUnavailable, match="ParameterDisplacement needs every rank"):
+        ParameterDisplacement().validate(trainer, Wide(width=2))
+
+
+def test_arguments_are_checked_and_nothing_is_declared_before_setup():
+    with pytest.raises(ValueError, match="snapshot_dtype must be one of"):
+        ParameterDisplacement(snapshot_dtype="int8")
+    probe = ParameterDisplacement()
+    assert probe.series() == probe.vectors() == probe.settings() == {}
