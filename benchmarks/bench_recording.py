@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--hessian", action="store_true", help="also time HessianSpectrum")
     args = parser.parse_args()
-    config = load_config(CONFIG, steps=args.steps)
+    _, config = load_config(CONFIG, steps=args.steps)
     torch.set_num_threads(config.threads)
     _quiet_lightning()
 

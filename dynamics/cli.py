@@ -48,7 +48,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", type=Path, help="YAML config (see configs/teacher_student.yaml)")
     run.add_argument("--out", type=Path, required=True, help="folder for <variant>.h5 files")
     run.add_argument("--steps", type=int, help="override the optimizer steps")
-    run.add_argument("--seed", type=int, help="override the students' initialization seed")
+    run.add_argument("--seed", type=int, help="override the variants' initialization seed")
     run.add_argument("--lr", type=float, help="override the learning rate")
     run.add_argument("--overwrite", action="store_true", help="replace existing run files")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -112,15 +112,17 @@ def _html_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from dynamics.experiments.config import load_config
-    from dynamics.experiments.runner import run_teacher_student
+    from dynamics.experiments.runner import run_experiment
 
-    config = load_config(args.config, steps=args.steps, seed=args.seed, **{"optimizer.lr": args.lr})
-    results = run_teacher_student(config, args.out, args.overwrite, not args.no_progress)
-    rows = [("variant", "shift", "final train loss", "final held-out loss", "run file")]
+    experiment, config = load_config(
+        args.config, steps=args.steps, seed=args.seed, **{"optimizer.lr": args.lr}
+    )
+    results = run_experiment(experiment, config, args.out, args.overwrite, not args.no_progress)
+    rows = [("variant", experiment.setting, "final train loss", "final held-out loss", "run file")]
     rows += [
         (
             r.name,
-            str(r.shift),
+            str(r.setting),
             f"{r.final_train_loss:.5g}",
             f"{r.final_heldout_loss:.5g}",
             str(r.path),

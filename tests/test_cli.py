@@ -49,6 +49,7 @@ def test_run_refuses_to_overwrite_existing_results(demo, dynamics):
         ("model: {width: wide}\n", "'model.width' must be an integer"),
         ("steps: [\n", "not valid YAML"),
         ("variants: {a: sideways}\n", "shift must be one of"),
+        ("experiment: nope\n", "unknown experiment 'nope'; known: teacher_student"),
     ],
 )
 def test_bad_configs_get_one_line(tmp_path, config, message, dynamics, one_line_error):
