@@ -50,6 +50,9 @@ def test_run_refuses_to_overwrite_existing_results(demo, dynamics):
         ("steps: [\n", "not valid YAML"),
         ("variants: {a: sideways}\n", "shift must be one of"),
         ("experiment: nope\n", "unknown experiment 'nope'; known: teacher_student"),
+        ("model: {activation: softmax}\n", "model.activation must be one of relu"),
+        ("optimizer: {name: rmsprop}\n", "optimizer.name must be one of adam"),
+        ("variants: {a: none, b: none}\n", "variants a and b: g_a and g_b are collinear"),
     ],
 )
 def test_bad_configs_get_one_line(tmp_path, config, message, dynamics, one_line_error):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynamics.activations import SHIFTS
+from dynamics.activations import ACTIVATIONS, SHIFTS
 from dynamics.experiments.config import (
     ConfigError,
     ExperimentConfig,
     check_positive,
     check_variant_names,
 )
+from dynamics.experiments.teacher_student import OPTIMIZERS
 
 
 @dataclass
@@ -79,6 +80,11 @@ class TeacherStudentConfig(ExperimentConfig):
             raise ConfigError(f"record.hessian_top_k must be >= 0, got {self.record.hessian_top_k}")
         if self.optimizer.lr <= 0:
             raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
+        choices = {"model.activation": (self.model.activation, ACTIVATIONS)}
+        choices["optimizer.name"] = (self.optimizer.name, OPTIMIZERS)
+        for key, (value, known) in choices.items():
+            if value not in known:
+                raise ConfigError(f"{key} must be one of {', '.join(known)}, got {value!r}")
         if not self.variants:
             raise ConfigError("variants must name at least one student")
         shifts = {f"variants.{name}": shift for name, shift in self.variants.items()}

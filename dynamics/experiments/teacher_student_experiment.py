@@ -20,6 +20,7 @@ from dynamics.callbacks import (
     TrainingLoss,
 )
 from dynamics.callbacks.gradient_plane import initial_gradient
+from dynamics.errors import DynamicsError
 from dynamics.experiments.registry import Built, Experiment, Recording, register
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
 from dynamics.experiments.teacher_student_config import TeacherStudentConfig
@@ -90,14 +91,21 @@ def _initial_gradient_plane(built: Mapping[str, Built], probe_batch: Any) -> Pla
     """The plane of the first two students' initial gradients, before either trains.
 
     Computed up front so that both run files carry the same plane, and (a, b, r), from step 0.
+
+    Raises:
+        DynamicsError: the two gradients span no plane (e.g. both variants have one shift).
     """
-    students = [b.module for b in built.values()][:2]
-    if len(students) < 2:
+    if len(built) < 2:
         return None
+    names = list(built)[:2]
+    students = [built[name].module for name in names]
     layout = ParameterLayout.of(students[0])
     gradients = [initial_gradient(s, probe_batch, layout).double().numpy() for s in students]
     theta0 = parameter_vector(students[0], layout).double().numpy()
-    return plane_from_gradients(theta0, *gradients)
+    try:
+        return plane_from_gradients(theta0, *gradients)
+    except ValueError as error:  # zero or collinear gradients: a config that varies nothing
+        raise DynamicsError(f"variants {names[0]} and {names[1]}: {error}") from None
 
 
 register(TeacherStudent())
