@@ -157,76 +157,22 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _plane(args: argparse.Namespace) -> int:
-    from dynamics.analysis.landscape import LossSurface
-    from dynamics.analysis.output import check_output
-    from dynamics.analysis.plane_views import initial_gradient_plane
-    from dynamics.rebuild import probe_batch, rebuild_module
-    from dynamics.store import open_run
+    from dynamics.analysis.plane_run import write_plane
 
-    if args.processes < 1:
-        raise DynamicsError(f"--processes must be at least 1, got {args.processes}")
-    inputs = (args.run_a, args.run_b)
-    outputs = (
-        check_output(args.output, args.overwrite, inputs),
-        check_output(args.output.with_suffix(".h5"), args.overwrite, inputs),
+    written = write_plane(
+        args.run_a,
+        args.run_b,
+        args.output,
+        args.overwrite,
+        grid_side=args.grid,
+        margin=args.span,
+        processes=args.processes,
+        progress=not args.no_progress,
     )
-    runs = [open_run(path) for path in inputs]
-    if runs[0].name == runs[1].name:
-        raise DynamicsError("the two runs need different names (file stems or run_name)")
-    initial_gradient_plane(*runs, args.grid)  # every input check before models are rebuilt
-    surfaces = {
-        run.name: LossSurface(rebuild_module(run), run.layout, probe_batch(run)) for run in runs
-    }
-    if args.processes == 1:
-        _plane_rank(0, args, runs, surfaces, outputs)
-        return 0
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        try:  # fork: the workers share the rebuilt models and read the runs themselves
-            mp.start_processes(
-                _plane_rank,
-                args=(args, runs, surfaces, outputs, Path(folder) / "rendezvous"),
-                nprocs=args.processes,
-                start_method="fork",
-            )
-        except mp.ProcessRaisedException as error:
-            last = str(error).strip().splitlines()[-1]
-            raise DynamicsError(f"plane evaluation failed in a worker: {last}") from None
+    for note, value in written.notes.items():
+        print(f"{note}: {value:.4f}")
+    print(f"wrote {written.html} (grids and trajectories in {written.results})")
     return 0
-
-
-def _plane_rank(rank, args, runs, surfaces, outputs, rendezvous=None) -> None:
-    """One process's share of ``dynamics plane``; rank 0 writes the outputs."""
-    from dynamics.analysis.plane_report import write_plane_html
-    from dynamics.analysis.plane_views import plane_views, save_views
-
-    distributed = rendezvous is not None
-    if distributed:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)  # the processes split the machine's cores between them
-        dist.init_process_group(
-            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.processes
-        )
-    try:
-        views = plane_views(
-            *runs, surfaces, args.grid, args.span, not args.no_progress, distributed
-        )
-    finally:
-        if distributed:
-            dist.destroy_process_group()
-    if rank == 0:
-        html, results = outputs
-        write_plane_html(views, html)
-        save_views(views, results)
-        notes = {note: value for view in views for note, value in view.notes.items()}
-        for note, value in notes.items():
-            print(f"{note}: {value:.4f}")
-        print(f"wrote {html} (grids and trajectories in {results})")
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from dynamics import open_run
+from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
+from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 
 
 def test_run_trains_every_variant_and_prints_a_summary(demo):
@@ -80,3 +82,21 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, args, dynamics, one_line_e
     (tmp_path / "tiny.yaml").write_text("steps: 2\n")
     (tmp_path / "a_file").write_text("mine")
     one_line_error(dynamics(*args, cwd=tmp_path))
+
+
+def test_plane_of_runs_with_collinear_initial_gradients_is_one_line(
+    tmp_path, quiet_trainer, dynamics, one_line_error
+):
+    architecture = dict(width=8, expansion=2, depth=2)
+    for name in ("first", "again"):  # the same student twice: the same g0 under two names
+        recorder = DynamicsRecorder(
+            tmp_path / f"{name}.h5", [GradientPlane(), ParameterDisplacement()]
+        )
+        module = TeacherStudentModule(**architecture)
+        data = TeacherStudentData(**architecture, batch_size=16)
+        quiet_trainer(max_steps=3, callbacks=[recorder]).fit(module, data)
+    out = tmp_path / "plane.html"
+    result = dynamics("plane", tmp_path / "first.h5", tmp_path / "again.h5", "-o", out)
+    one_line_error(result)
+    assert "collinear" in result.stderr
+    assert not out.exists() and not out.with_suffix(".h5").exists()
