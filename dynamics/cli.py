@@ -118,20 +118,20 @@ def _run(args: argparse.Namespace) -> int:
         args.config, steps=args.steps, seed=args.seed, **{"optimizer.lr": args.lr}
     )
     results = run_experiment(experiment, config, args.out, args.overwrite, not args.no_progress)
-    rows = [("variant", experiment.setting, "final train loss", "final held-out loss", "run file")]
-    rows += [
-        (
-            r.name,
-            str(r.setting),
-            f"{r.final_train_loss:.5g}",
-            f"{r.final_heldout_loss:.5g}",
-            str(r.path),
-        )
-        for r in results
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    header = ("variant", experiment.setting, "final train loss", "final held-out loss", "run file")
+    _print_table(
+        header,
+        [
+            (
+                r.name,
+                str(r.setting),
+                f"{r.final_train_loss:.5g}",
+                f"{r.final_heldout_loss:.5g}",
+                str(r.path),
+            )
+            for r in results
+        ],
+    )
     print(f"all variants share θ0 (sha256 {results[0].theta0_sha256[:12]}…)")
     return 0
 
@@ -237,24 +237,31 @@ def _overshoot(args: argparse.Namespace) -> int:
     else:
         where = f"no loss window: {window.reason}"
     print(f"{args.run}  (run {run.name}); {where}")
-    rows = [("layer", "verdict", "signature", "peak step", "peak/plateau", "peak/start", "reason")]
-    rows += [
-        (
-            layer.name,
-            layer.verdict,
-            {None: "-", True: "yes", False: "no"}[layer.signature],
-            "-" if layer.peak_step is None else f"{layer.peak_step:g}",
-            "-" if layer.peak_over_plateau is None else f"{layer.peak_over_plateau:.4g}",
-            "-" if layer.peak_over_start is None else f"{layer.peak_over_start:.4g}",
-            layer.reason,
-        )
-        for layer in report.layers
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
+    _print_table(
+        ("layer", "verdict", "signature", "peak step", "peak/plateau", "peak/start", "reason"),
+        [
+            (
+                layer.name,
+                layer.verdict,
+                {None: "-", True: "yes", False: "no"}[layer.signature],
+                "-" if layer.peak_step is None else f"{layer.peak_step:g}",
+                "-" if layer.peak_over_plateau is None else f"{layer.peak_over_plateau:.4g}",
+                "-" if layer.peak_over_start is None else f"{layer.peak_over_start:.4g}",
+                layer.reason,
+            )
+            for layer in report.layers
+        ],
+    )
+    return 0
+
+
+def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print columns aligned two spaces apart; the last one unpadded, for long free text."""
+    table = [header, *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    for row in table:
         cells = [cell.ljust(width) for cell, width in zip(row, widths)]
         print("  ".join([*cells, row[-1]]).rstrip())
-    return 0
 
 
 if __name__ == "__main__":
