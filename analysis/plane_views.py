@@ -66,14 +66,21 @@ def initial_gradient_plane(
         of snapshots followed by θT.
 
     Raises:
-        DynamicsError: the runs differ in θ0 or parameter layout, lack g0, snapshots or θT, or
-            ``grid_side`` is below 2.
+        DynamicsError: the runs share a name, differ in θ0 or parameter layout, lack g0,
+            snapshots or θT, their initial gradients are zero or collinear (they span no plane),
+            or ``grid_side`` is below 2.
     """
+    if run_a.name == run_b.name:
+        raise DynamicsError("the two runs need different names (file stems or run_name)")
     if grid_side < 2:
         raise DynamicsError(f"--grid must be at least 2, got {grid_side}")
     runs = [run_a, run_b]
     theta0 = _check_comparable(runs)
-    plane = plane_from_gradients(theta0, *(_vector(r, "g0", "initial gradient g0") for r in runs))
+    gradients = [_vector(r, "g0", "initial gradient g0") for r in runs]
+    try:
+        plane = plane_from_gradients(theta0, *gradients)
+    except ValueError as error:  # the runs' own gradients, so the user's input
+        raise DynamicsError(f"{run_a.path.name} and {run_b.path.name}: {error}") from None
     return plane, {r.name: _checkpoints(r) for r in runs}
 
 

@@ -119,7 +119,7 @@ def main() -> None:
         "--workload", choices=("teacher-student", "char-gpt", "both"), default="both"
     )
     args = parser.parse_args()
-    config = load_config(CONFIG, steps=args.steps)
+    _, config = load_config(CONFIG, steps=args.steps)
     torch.set_num_threads(config.threads)
     _quiet_lightning()
     chosen = workloads(config)

@@ -48,7 +48,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", type=Path, help="YAML config (see configs/teacher_student.yaml)")
     run.add_argument("--out", type=Path, required=True, help="folder for <variant>.h5 files")
     run.add_argument("--steps", type=int, help="override the optimizer steps")
-    run.add_argument("--seed", type=int, help="override the students' initialization seed")
+    run.add_argument("--seed", type=int, help="override the variants' initialization seed")
     run.add_argument("--lr", type=float, help="override the learning rate")
     run.add_argument("--overwrite", action="store_true", help="replace existing run files")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -112,24 +112,26 @@ def _html_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from dynamics.experiments.config import load_config
-    from dynamics.experiments.runner import run_teacher_student
+    from dynamics.experiments.runner import run_experiment
 
-    config = load_config(args.config, steps=args.steps, seed=args.seed, **{"optimizer.lr": args.lr})
-    results = run_teacher_student(config, args.out, args.overwrite, not args.no_progress)
-    rows = [("variant", "shift", "final train loss", "final held-out loss", "run file")]
-    rows += [
-        (
-            r.name,
-            str(r.shift),
-            f"{r.final_train_loss:.5g}",
-            f"{r.final_heldout_loss:.5g}",
-            str(r.path),
-        )
-        for r in results
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    experiment, config = load_config(
+        args.config, steps=args.steps, seed=args.seed, **{"optimizer.lr": args.lr}
+    )
+    results = run_experiment(experiment, config, args.out, args.overwrite, not args.no_progress)
+    header = ("variant", experiment.setting, "final train loss", "final held-out loss", "run file")
+    _print_table(
+        header,
+        [
+            (
+                r.name,
+                str(r.setting),
+                f"{r.final_train_loss:.5g}",
+                f"{r.final_heldout_loss:.5g}",
+                str(r.path),
+            )
+            for r in results
+        ],
+    )
     print(f"all variants share θ0 (sha256 {results[0].theta0_sha256[:12]}…)")
     return 0
 
@@ -155,76 +157,22 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _plane(args: argparse.Namespace) -> int:
-    from dynamics.analysis.landscape import LossSurface
-    from dynamics.analysis.output import check_output
-    from dynamics.analysis.plane_views import initial_gradient_plane
-    from dynamics.rebuild import probe_batch, rebuild_module
-    from dynamics.store import open_run
+    from dynamics.analysis.plane_run import write_plane
 
-    if args.processes < 1:
-        raise DynamicsError(f"--processes must be at least 1, got {args.processes}")
-    inputs = (args.run_a, args.run_b)
-    outputs = (
-        check_output(args.output, args.overwrite, inputs),
-        check_output(args.output.with_suffix(".h5"), args.overwrite, inputs),
+    written = write_plane(
+        args.run_a,
+        args.run_b,
+        args.output,
+        args.overwrite,
+        grid_side=args.grid,
+        margin=args.span,
+        processes=args.processes,
+        progress=not args.no_progress,
     )
-    runs = [open_run(path) for path in inputs]
-    if runs[0].name == runs[1].name:
-        raise DynamicsError("the two runs need different names (file stems or run_name)")
-    initial_gradient_plane(*runs, args.grid)  # every input check before models are rebuilt
-    surfaces = {
-        run.name: LossSurface(rebuild_module(run), run.layout, probe_batch(run)) for run in runs
-    }
-    if args.processes == 1:
-        _plane_rank(0, args, runs, surfaces, outputs)
-        return 0
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        try:  # fork: the workers share the rebuilt models and read the runs themselves
-            mp.start_processes(
-                _plane_rank,
-                args=(args, runs, surfaces, outputs, Path(folder) / "rendezvous"),
-                nprocs=args.processes,
-                start_method="fork",
-            )
-        except mp.ProcessRaisedException as error:
-            last = str(error).strip().splitlines()[-1]
-            raise DynamicsError(f"plane evaluation failed in a worker: {last}") from None
+    for note, value in written.notes.items():
+        print(f"{note}: {value:.4f}")
+    print(f"wrote {written.html} (grids and trajectories in {written.results})")
     return 0
-
-
-def _plane_rank(rank, args, runs, surfaces, outputs, rendezvous=None) -> None:
-    """One process's share of ``dynamics plane``; rank 0 writes the outputs."""
-    from dynamics.analysis.plane_report import write_plane_html
-    from dynamics.analysis.plane_views import plane_views, save_views
-
-    distributed = rendezvous is not None
-    if distributed:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)  # the processes split the machine's cores between them
-        dist.init_process_group(
-            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.processes
-        )
-    try:
-        views = plane_views(
-            *runs, surfaces, args.grid, args.span, not args.no_progress, distributed
-        )
-    finally:
-        if distributed:
-            dist.destroy_process_group()
-    if rank == 0:
-        html, results = outputs
-        write_plane_html(views, html)
-        save_views(views, results)
-        notes = {note: value for view in views for note, value in view.notes.items()}
-        for note, value in notes.items():
-            print(f"{note}: {value:.4f}")
-        print(f"wrote {html} (grids and trajectories in {results})")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -289,24 +237,31 @@ def _overshoot(args: argparse.Namespace) -> int:
     else:
         where = f"no loss window: {window.reason}"
     print(f"{args.run}  (run {run.name}); {where}")
-    rows = [("layer", "verdict", "signature", "peak step", "peak/plateau", "peak/start", "reason")]
-    rows += [
-        (
-            layer.name,
-            layer.verdict,
-            {None: "-", True: "yes", False: "no"}[layer.signature],
-            "-" if layer.peak_step is None else f"{layer.peak_step:g}",
-            "-" if layer.peak_over_plateau is None else f"{layer.peak_over_plateau:.4g}",
-            "-" if layer.peak_over_start is None else f"{layer.peak_over_start:.4g}",
-            layer.reason,
-        )
-        for layer in report.layers
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
+    _print_table(
+        ("layer", "verdict", "signature", "peak step", "peak/plateau", "peak/start", "reason"),
+        [
+            (
+                layer.name,
+                layer.verdict,
+                {None: "-", True: "yes", False: "no"}[layer.signature],
+                "-" if layer.peak_step is None else f"{layer.peak_step:g}",
+                "-" if layer.peak_over_plateau is None else f"{layer.peak_over_plateau:.4g}",
+                "-" if layer.peak_over_start is None else f"{layer.peak_over_start:.4g}",
+                layer.reason,
+            )
+            for layer in report.layers
+        ],
+    )
+    return 0
+
+
+def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print columns aligned two spaces apart; the last one unpadded, for long free text."""
+    table = [header, *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    for row in table:
         cells = [cell.ljust(width) for cell, width in zip(row, widths)]
         print("  ".join([*cells, row[-1]]).rstrip())
-    return 0
 
 
 if __name__ == "__main__":

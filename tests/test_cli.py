@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from dynamics import open_run
+from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
+from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 
 
 def test_run_trains_every_variant_and_prints_a_summary(demo):
@@ -49,6 +51,10 @@ def test_run_refuses_to_overwrite_existing_results(demo, dynamics):
         ("model: {width: wide}\n", "'model.width' must be an integer"),
         ("steps: [\n", "not valid YAML"),
         ("variants: {a: sideways}\n", "shift must be one of"),
+        ("experiment: nope\n", "unknown experiment 'nope'; known: teacher_student"),
+        ("model: {activation: softmax}\n", "model.activation must be one of relu"),
+        ("optimizer: {name: rmsprop}\n", "optimizer.name must be one of adam"),
+        ("variants: {a: none, b: none}\n", "variants a and b: g_a and g_b are collinear"),
     ],
 )
 def test_bad_configs_get_one_line(tmp_path, config, message, dynamics, one_line_error):
@@ -76,3 +82,21 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, args, dynamics, one_line_e
     (tmp_path / "tiny.yaml").write_text("steps: 2\n")
     (tmp_path / "a_file").write_text("mine")
     one_line_error(dynamics(*args, cwd=tmp_path))
+
+
+def test_plane_of_runs_with_collinear_initial_gradients_is_one_line(
+    tmp_path, quiet_trainer, dynamics, one_line_error
+):
+    architecture = dict(width=8, expansion=2, depth=2)
+    for name in ("first", "again"):  # the same student twice: the same g0 under two names
+        recorder = DynamicsRecorder(
+            tmp_path / f"{name}.h5", [GradientPlane(), ParameterDisplacement()]
+        )
+        module = TeacherStudentModule(**architecture)
+        data = TeacherStudentData(**architecture, batch_size=16)
+        quiet_trainer(max_steps=3, callbacks=[recorder]).fit(module, data)
+    out = tmp_path / "plane.html"
+    result = dynamics("plane", tmp_path / "first.h5", tmp_path / "again.h5", "-o", out)
+    one_line_error(result)
+    assert "collinear" in result.stderr
+    assert not out.exists() and not out.with_suffix(".h5").exists()

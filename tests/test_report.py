@@ -249,11 +249,11 @@ TINY = {
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
     from dynamics.experiments.config import load_config
-    from dynamics.experiments.runner import run_teacher_student
+    from dynamics.experiments.runner import run_experiment
 
     folder = tmp_path_factory.mktemp("tiny")
     (folder / "tiny.yaml").write_text(yaml.safe_dump(TINY))
-    results = run_teacher_student(load_config(folder / "tiny.yaml"), folder, progress=False)
+    results = run_experiment(*load_config(folder / "tiny.yaml"), folder, progress=False)
     return [r.path for r in results]
 
 

@@ -1,4 +1,4 @@
-"""LightningModules and data for the experiments the toolkit ships."""
+"""The experiments ``dynamics run`` trains (see ``registry``), with their modules and data."""
 
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
 

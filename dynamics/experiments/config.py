@@ -1,4 +1,4 @@
-"""The teacher–student experiment's configuration: defaults in code, overrides from YAML.
+"""Experiment configs: defaults in code, overrides from YAML, the experiment picked by name.
 
 Every field has a default, so a YAML file names only what it changes; unknown keys and values of
 the wrong type are refused with one line naming the key.
@@ -7,14 +7,21 @@ the wrong type are refused with one line naming the key.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from dynamics.activations import SHIFTS
 from dynamics.errors import DynamicsError
+from dynamics.experiments.registry import get
+
+if TYPE_CHECKING:
+    from dynamics.experiments.registry import Experiment
+
+#: The experiment of a config without an ``experiment:`` key (configs from before the key).
+DEFAULT_EXPERIMENT = "teacher_student"
 
 
 class ConfigError(DynamicsError):
@@ -22,104 +29,73 @@ class ConfigError(DynamicsError):
 
 
 @dataclass
-class ModelConfig:
-    width: int = 64
-    expansion: int = 4
-    depth: int = 4
-    activation: str = "relu"
-    bias: bool = True
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = "adam"
-    lr: float = 1e-3
-
-
-@dataclass
-class DataConfig:
-    batch_size: int = 128
-    heldout_size: int = 2048
-    teacher_seed: int = 1
-    data_seed: int = 2
-    teacher_shift: str | float = "none"
-
-
-@dataclass
-class RecordConfig:
-    every_n_steps: int = 1
-    snapshot_budget_mb: float = 32.0
-    flush_interval_s: float = 5.0
-    hessian_top_k: int = 5  # 0 records no Hessian spectrum
-    hessian_every_n_steps: int = 100
-
-
-@dataclass
-class TeacherStudentConfig:
-    """One comparison: students that differ only in their activation shift.
+class ExperimentConfig:
+    """The fields every experiment's config has; each experiment's config subclasses it.
 
     Attributes:
-        seed: initialization seed shared by every student (so all share θ0).
-        steps: optimizer steps per student.
+        seed: initialization seed shared by every variant (so all share θ0).
+        steps: optimizer steps per variant.
         eval_every: steps between held-out evaluations.
         threads: torch CPU threads (1 is fastest for models this small on a shared machine).
-        variants: ``{name: shift}``; each becomes ``<out>/<name>.h5``.
     """
 
     seed: int = 0
     steps: int = 2000
     eval_every: int = 100
     threads: int = 1
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    record: RecordConfig = field(default_factory=RecordConfig)
-    variants: dict[str, str | float] = field(
-        default_factory=lambda: {"unshifted": "none", "shifted": "expected"}
-    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def validate(self) -> TeacherStudentConfig:
-        positive = {
-            "steps": self.steps,
-            "eval_every": self.eval_every,
-            "threads": self.threads,
-            "model.width": self.model.width,
-            "model.depth": self.model.depth,
-            "model.expansion": self.model.expansion,
-            "data.batch_size": self.data.batch_size,
-            "data.heldout_size": self.data.heldout_size,
-            "record.every_n_steps": self.record.every_n_steps,
-            "record.hessian_every_n_steps": self.record.hessian_every_n_steps,
-        }
-        for key, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"{key} must be >= 1, got {value}")
-        if self.record.hessian_top_k < 0:
-            raise ConfigError(f"record.hessian_top_k must be >= 0, got {self.record.hessian_top_k}")
-        if self.optimizer.lr <= 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
-        if not self.variants:
-            raise ConfigError("variants must name at least one student")
-        shifts = {f"variants.{name}": shift for name, shift in self.variants.items()}
-        shifts["data.teacher_shift"] = self.data.teacher_shift
-        for key, shift in shifts.items():
-            numeric = isinstance(shift, (int, float)) and not isinstance(shift, bool)
-            if shift not in SHIFTS and not numeric:
-                raise ConfigError(f"{key}: shift must be one of {SHIFTS} or a number: {shift!r}")
-        for name in self.variants:
-            if not name.replace("_", "").replace("-", "").isalnum():
-                raise ConfigError(f"variant name {name!r} must be letters, digits, - or _")
+    def validate(self) -> ExperimentConfig:
+        """Check the values (their types were checked on load); returns the config.
+
+        Raises:
+            ConfigError: a value is out of range.
+        """
+        check_positive(
+            {"steps": self.steps, "eval_every": self.eval_every, "threads": self.threads}
+        )
         return self
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> TeacherStudentConfig:
-    """Read a YAML config over the defaults, then apply dotted ``overrides`` (``optimizer.lr``).
+def check_positive(values: Mapping[str, float]) -> None:
+    """Refuse the first of ``{dotted key: value}`` below 1.
 
     Raises:
-        ConfigError: missing or unreadable file, unknown key, wrong type or bad value.
+        ConfigError: naming the key.
+    """
+    for key, value in values.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+
+
+def check_variant_names(names: Iterable[str]) -> None:
+    """Refuse a variant name that cannot be a file name (each variant is ``<out>/<name>.h5``).
+
+    Raises:
+        ConfigError: naming the variant.
+    """
+    for name in names:
+        if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"variant name {name!r} must be letters, digits, - or _")
+
+
+def load_config(
+    path: str | Path | None = None, **overrides: Any
+) -> tuple[Experiment, ExperimentConfig]:
+    """Read a YAML config over its experiment's defaults, then apply dotted ``overrides``.
+
+    The ``experiment:`` key names the experiment (:data:`DEFAULT_EXPERIMENT` when absent); the
+    other keys are that experiment's config. An override such as ``optimizer.lr`` is checked
+    like the same key in the file; None leaves the key as it is.
+
+    Returns:
+        The experiment and its validated config.
+
+    Raises:
+        DynamicsError: missing or unreadable file, unknown experiment, unknown key, wrong type
+            or bad value.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -132,15 +108,23 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TeacherStud
             raise ConfigError(f"config {path}: not valid YAML ({_first_line(error)})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config {path}: expected a mapping at the top level")
-    config = _build(TeacherStudentConfig, data, "")
+    name = data.pop("experiment", DEFAULT_EXPERIMENT)
+    if not isinstance(name, str):
+        raise ConfigError(f"config key 'experiment' must be an experiment name, got {name!r}")
+    experiment = get(name)
     for dotted, value in overrides.items():
         if value is not None:
-            *parents, leaf = dotted.split(".")
-            target = config
-            for parent in parents:
-                target = getattr(target, parent)
-            setattr(target, leaf, value)
-    return config.validate()
+            _override(data, dotted, value)
+    return experiment, _build(experiment.config_class, data, "").validate()
+
+
+def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for depth, parent in enumerate(parents):
+        data = data.setdefault(parent, {})
+        if not isinstance(data, dict):
+            raise ConfigError(f"config key {'.'.join(parents[: depth + 1])!r} must be a mapping")
+    data[leaf] = value
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:

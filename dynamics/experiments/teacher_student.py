@@ -16,6 +16,12 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from dynamics.models import ResidualMLP
 
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+}
+
 
 def seeded_residual_mlp(seed: int, **architecture) -> ResidualMLP:
     """A :class:`ResidualMLP` initialized from ``seed``, leaving the global RNG untouched."""
@@ -52,7 +58,7 @@ class TeacherStudentModule(pl.LightningModule):
         optimizer: str = "adam",
     ) -> None:
         super().__init__()
-        if optimizer not in ("adam", "adamw", "sgd"):
+        if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be adam, adamw or sgd, got {optimizer!r}")
         self.save_hyperparameters()
         self.student = seeded_residual_mlp(
@@ -81,8 +87,7 @@ class TeacherStudentModule(pl.LightningModule):
         self.log("val_loss", self.dynamics_loss(batch), prog_bar=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        optimizers = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-        return optimizers[self.hparams.optimizer](self.parameters(), lr=self.hparams.lr)
+        return OPTIMIZERS[self.hparams.optimizer](self.parameters(), lr=self.hparams.lr)
 
 
 class _TeacherStream(IterableDataset):

@@ -1,0 +1,108 @@
+"""The experiments ``dynamics run`` trains, found by the name in a config's ``experiment:`` key.
+
+A new experiment is a module that subclasses :class:`Experiment` and calls :func:`register` on
+an instance at import; naming that module in :func:`_register_builtins` makes it a built-in. The
+runner and the CLI need no change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, TypeVar
+
+from dynamics.errors import DynamicsError
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from dynamics.callbacks.probe import Probe
+    from dynamics.experiments.config import ExperimentConfig
+
+ConfigT = TypeVar("ConfigT", bound="ExperimentConfig")
+
+
+class Built(NamedTuple):
+    """What one variant trains: its module and its data."""
+
+    module: pl.LightningModule
+    data: pl.LightningDataModule
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What one variant's recorder records, and how often it flushes."""
+
+    probes: list[Probe]
+    flush_interval_s: float = 5.0
+
+
+class Experiment(ABC, Generic[ConfigT]):
+    """An experiment: its config, its variants, and how each variant is built and recorded.
+
+    Each variant is trained for ``config.steps`` steps into ``<out>/<variant>.h5``, with
+    held-out evaluation every ``config.eval_every`` steps; all variants must share θ0. The
+    summary reads each run's ``loss`` series (:class:`~dynamics.callbacks.TrainingLoss`) and
+    its logged ``val_loss`` (:class:`~dynamics.callbacks.LoggedMetrics`).
+
+    Attributes:
+        name: the value of a config's ``experiment:`` key.
+        config_class: the config dataclass; every field has a default.
+        setting: what tells the variants apart (the summary's column header), e.g. ``"shift"``.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[ExperimentConfig]]
+    setting: ClassVar[str]
+
+    @abstractmethod
+    def variants(self, config: ConfigT) -> Mapping[str, object]:
+        """``{variant name: its setting}``, in training order."""
+
+    @abstractmethod
+    def build(self, config: ConfigT, variant: str) -> Built:
+        """The module and data of one variant, untrained."""
+
+    @abstractmethod
+    def recordings(self, config: ConfigT, built: Mapping[str, Built]) -> dict[str, Recording]:
+        """What each variant records, given every variant built and none trained yet.
+
+        Anything the variants' recordings share (a plane spanned by their initial gradients)
+        is computed here, before the first variant trains.
+        """
+
+
+_EXPERIMENTS: dict[str, Experiment] = {}
+
+
+def register(experiment: Experiment) -> Experiment:
+    """Make ``experiment`` available to configs under ``experiment.name``; returns it.
+
+    Raises:
+        ValueError: another experiment is registered under that name (a programming error).
+    """
+    if experiment.name in _EXPERIMENTS:
+        raise ValueError(f"an experiment named {experiment.name!r} is already registered")
+    _EXPERIMENTS[experiment.name] = experiment
+    return experiment
+
+
+def get(name: str) -> Experiment:
+    """The experiment registered under ``name``.
+
+    Raises:
+        DynamicsError: no experiment has that name (the message lists the known ones).
+    """
+    _register_builtins()
+    if name not in _EXPERIMENTS:
+        raise DynamicsError(
+            f"unknown experiment {name!r}; known: {', '.join(sorted(_EXPERIMENTS))}"
+        )
+    return _EXPERIMENTS[name]
+
+
+def _register_builtins() -> None:
+    # Imported on first use, not with the package: rebuilding a recorded module by its class
+    # path imports dynamics.experiments, which should not load the recorder and its probes.
+    from dynamics.experiments import teacher_student_experiment  # noqa: F401

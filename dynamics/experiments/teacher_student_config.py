@@ -1,0 +1,97 @@
+"""The teacher–student experiment's config; every key is optional (defaults below)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynamics.activations import ACTIVATIONS, SHIFTS
+from dynamics.experiments.config import (
+    ConfigError,
+    ExperimentConfig,
+    check_positive,
+    check_variant_names,
+)
+from dynamics.experiments.teacher_student import OPTIMIZERS
+
+
+@dataclass
+class ModelConfig:
+    width: int = 64
+    expansion: int = 4
+    depth: int = 4
+    activation: str = "relu"
+    bias: bool = True
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 1e-3
+
+
+@dataclass
+class DataConfig:
+    batch_size: int = 128
+    heldout_size: int = 2048
+    teacher_seed: int = 1
+    data_seed: int = 2
+    teacher_shift: str | float = "none"
+
+
+@dataclass
+class RecordConfig:
+    every_n_steps: int = 1
+    snapshot_budget_mb: float = 32.0
+    flush_interval_s: float = 5.0
+    hessian_top_k: int = 5  # 0 records no Hessian spectrum
+    hessian_every_n_steps: int = 100
+
+
+@dataclass
+class TeacherStudentConfig(ExperimentConfig):
+    """One comparison: students that differ only in their activation shift.
+
+    Attributes:
+        variants: ``{name: shift}``; each becomes ``<out>/<name>.h5``.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    record: RecordConfig = field(default_factory=RecordConfig)
+    variants: dict[str, str | float] = field(
+        default_factory=lambda: {"unshifted": "none", "shifted": "expected"}
+    )
+
+    def validate(self) -> TeacherStudentConfig:
+        super().validate()
+        check_positive(
+            {
+                "model.width": self.model.width,
+                "model.depth": self.model.depth,
+                "model.expansion": self.model.expansion,
+                "data.batch_size": self.data.batch_size,
+                "data.heldout_size": self.data.heldout_size,
+                "record.every_n_steps": self.record.every_n_steps,
+                "record.hessian_every_n_steps": self.record.hessian_every_n_steps,
+            }
+        )
+        if self.record.hessian_top_k < 0:
+            raise ConfigError(f"record.hessian_top_k must be >= 0, got {self.record.hessian_top_k}")
+        if self.optimizer.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
+        choices = {"model.activation": (self.model.activation, ACTIVATIONS)}
+        choices["optimizer.name"] = (self.optimizer.name, OPTIMIZERS)
+        for key, (value, known) in choices.items():
+            if value not in known:
+                raise ConfigError(f"{key} must be one of {', '.join(known)}, got {value!r}")
+        if not self.variants:
+            raise ConfigError("variants must name at least one student")
+        shifts = {f"variants.{name}": shift for name, shift in self.variants.items()}
+        shifts["data.teacher_shift"] = self.data.teacher_shift
+        for key, shift in shifts.items():
+            numeric = isinstance(shift, (int, float)) and not isinstance(shift, bool)
+            if shift not in SHIFTS and not numeric:
+                raise ConfigError(f"{key}: shift must be one of {SHIFTS} or a number: {shift!r}")
+        check_variant_names(self.variants)
+        return self

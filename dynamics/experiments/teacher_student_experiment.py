@@ -1,0 +1,111 @@
+"""The teacher–student comparison as the ``dynamics run`` experiment ``teacher_student``.
+
+Every student is built from the config's seed, so all share θ0; they differ only in the
+activation shift their variant names. The first two students' initial gradients span a plane
+that every run file records coordinates on from step 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dynamics.callbacks import (
+    GradientPlane,
+    HessianSpectrum,
+    HiddenStateNorms,
+    LoggedMetrics,
+    ParameterDisplacement,
+    TrainingLoss,
+)
+from dynamics.errors import DynamicsError
+from dynamics.experiments.registry import Built, Experiment, Recording, register
+from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+from dynamics.experiments.teacher_student_config import TeacherStudentConfig
+from dynamics.initial_gradient import initial_gradient
+from dynamics.params import ParameterLayout, parameter_vector
+from dynamics.plane import Plane, plane_from_gradients
+
+
+class TeacherStudent(Experiment[TeacherStudentConfig]):
+    """Students regressing one teacher, one per activation shift in ``config.variants``."""
+
+    name = "teacher_student"
+    config_class = TeacherStudentConfig
+    setting = "shift"
+
+    def variants(self, config: TeacherStudentConfig) -> Mapping[str, str | float]:
+        return config.variants
+
+    def build(self, config: TeacherStudentConfig, variant: str) -> Built:
+        student = TeacherStudentModule(
+            **vars(config.model),
+            shift=config.variants[variant],
+            seed=config.seed,
+            lr=config.optimizer.lr,
+            optimizer=config.optimizer.name,
+        )
+        return Built(student, _data(config))
+
+    def recordings(
+        self, config: TeacherStudentConfig, built: Mapping[str, Built]
+    ) -> dict[str, Recording]:
+        first = next(iter(built.values()))
+        probe_batch = next(iter(first.data.train_dataloader()))
+        plane = _initial_gradient_plane(built, probe_batch)
+        record = config.record
+        every = record.every_n_steps
+        recordings = {}
+        for variant in built:
+            probes = [
+                TrainingLoss(every),
+                HiddenStateNorms(every_n_steps=every),
+                ParameterDisplacement(every, snapshot_budget_mb=record.snapshot_budget_mb),
+                LoggedMetrics(["val_loss"]),
+                GradientPlane(basis=plane, batch=probe_batch, every_n_steps=every),
+            ]
+            if record.hessian_top_k:
+                probes.append(
+                    HessianSpectrum(
+                        k=record.hessian_top_k,
+                        every_n_steps=record.hessian_every_n_steps,
+                        batch=probe_batch,
+                    )
+                )
+            recordings[variant] = Recording(probes, record.flush_interval_s)
+        return recordings
+
+
+def _data(config: TeacherStudentConfig) -> TeacherStudentData:
+    return TeacherStudentData(
+        **vars(config.model),
+        shift=config.data.teacher_shift,
+        teacher_seed=config.data.teacher_seed,
+        data_seed=config.data.data_seed,
+        batch_size=config.data.batch_size,
+        heldout_size=config.data.heldout_size,
+    )
+
+
+def _initial_gradient_plane(built: Mapping[str, Built], probe_batch: Any) -> Plane | None:
+    """The plane of the first two students' initial gradients, before either trains.
+
+    Computed up front so that both run files carry the same plane, and (a, b, r), from step 0.
+
+    Raises:
+        DynamicsError: the two gradients span no plane (e.g. both variants have one shift).
+    """
+    if len(built) < 2:
+        return None
+    names = list(built)[:2]
+    students = [built[name].module for name in names]
+    layout = ParameterLayout.of(students[0])
+    gradients = [initial_gradient(s, probe_batch, layout).double().numpy() for s in students]
+    theta0 = parameter_vector(students[0], layout).double().numpy()
+    try:
+        return plane_from_gradients(theta0, *gradients)
+    except ValueError as error:  # zero or collinear gradients: a config that varies nothing
+        raise DynamicsError(f"variants {names[0]} and {names[1]}: {error}") from None
+
+
+register(TeacherStudent())

@@ -1,0 +1,63 @@
+"""The experiment registry: an experiment defined outside the package runs from its config."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from dynamics import open_run
+from dynamics.callbacks import LoggedMetrics, TrainingLoss
+from dynamics.errors import DynamicsError
+from dynamics.experiments import TeacherStudentData, TeacherStudentModule
+from dynamics.experiments.config import ExperimentConfig, load_config
+from dynamics.experiments.registry import Built, Experiment, Recording, get, register
+from dynamics.experiments.runner import run_experiment
+
+ARCH = dict(width=8, expansion=2, depth=2)
+
+
+@dataclass
+class LearningRatesConfig(ExperimentConfig):
+    steps: int = 6
+    eval_every: int = 3
+    variants: dict[str, float] = field(default_factory=lambda: {"slow": 1e-3, "fast": 1e-2})
+
+
+class LearningRates(Experiment[LearningRatesConfig]):
+    """One student per learning rate: a second experiment, known only to this test file."""
+
+    name = "test_learning_rates"
+    config_class = LearningRatesConfig
+    setting = "lr"
+
+    def variants(self, config):
+        return config.variants
+
+    def build(self, config, variant):
+        module = TeacherStudentModule(**ARCH, seed=config.seed, lr=config.variants[variant])
+        return Built(module, TeacherStudentData(**ARCH, batch_size=16, heldout_size=32))
+
+    def recordings(self, config, built):
+        return {name: Recording([TrainingLoss(), LoggedMetrics(["val_loss"])]) for name in built}
+
+
+LEARNING_RATES = register(LearningRates())
+
+
+def test_a_registered_experiment_runs_from_its_config(tmp_path):
+    (tmp_path / "lr.yaml").write_text("experiment: test_learning_rates\nseed: 3\n")
+    experiment, config = load_config(tmp_path / "lr.yaml", steps=4)
+    assert experiment is LEARNING_RATES and (config.seed, config.steps) == (3, 4)
+
+    results = run_experiment(experiment, config, tmp_path / "runs", progress=False)
+
+    assert [(r.name, r.setting) for r in results] == [("slow", 1e-3), ("fast", 1e-2)]
+    run = open_run(tmp_path / "runs" / "fast.h5")
+    assert run.config["experiment"] == "test_learning_rates" and run.config["variant"] == "fast"
+    assert run.series("loss").step[-1] == 3 and len(run.series("validation")) == 1
+
+
+def test_registry_refuses_unknown_names_and_a_second_registration():
+    with pytest.raises(DynamicsError, match="unknown experiment 'nope'; known: .*teacher_student"):
+        get("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register(LearningRates())
