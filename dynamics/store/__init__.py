@@ -1,13 +1,14 @@
 """The run-file store: one HDF5 file per run (schema, writer, reader)."""
 
 from dynamics.store import names
-from dynamics.store.reader import Run, Series, open_run
+from dynamics.store.reader import Metric, Run, Series, open_run
 from dynamics.store.schema import SCHEMA, SCHEMA_VERSION, RunFileError, SeriesSpec, View
 from dynamics.store.writer import RunWriter
 
 __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
+    "Metric",
     "Run",
     "RunFileError",
     "RunWriter",
