@@ -80,4 +80,3 @@ def spectral_density(
     return SpectralDensity(
         nodes, weights, grid, broadened_density(nodes, weights, grid, sigma), sigma, n_hvp
     )
-
