@@ -27,7 +27,7 @@ from dynamics.store.schema import (
     View,
     decode_attr,
 )
-from dynamics.store.views import standard_view
+from dynamics.store.views import STANDARD_VIEWS, standard_view
 
 if TYPE_CHECKING:
     from dynamics.params import ParameterLayout
@@ -158,10 +158,13 @@ class Run:
     def views(self, group: str) -> dict[str, View]:
         """``{series: how it is drawn}`` of the group's drawn series, read without its rows.
 
-        A file written before series stored their views gets the standard probes' views
-        (:data:`dynamics.store.views.STANDARD_VIEWS`).
+        A file written before series stored their views gets the standard probes' views. The
+        standard series come in the order of :data:`dynamics.store.views.STANDARD_VIEWS` (HDF5
+        lists a group's series by name), the others after them.
         """
-        return {n: d.view for n, d in self._declared.get(group, {}).items() if d.view is not None}
+        views = {n: d.view for n, d in self._declared.get(group, {}).items() if d.view}
+        order = list(STANDARD_VIEWS.get(group, ()))
+        return dict(sorted(views.items(), key=lambda item: _position(order, item[0])))
 
     def columns(self, group: str, name: str) -> tuple[str, ...]:
         """Names of the last axis of a series: as recorded, else ``<name>_0``, ``<name>_1``, ...
@@ -279,6 +282,10 @@ def _open(path: Path) -> h5py.File:
             raise
     # A run still being written, or whose writer was killed: only SWMR reads open those.
     return h5py.File(path, "r", swmr=True)
+
+
+def _position(order: list[str], name: str) -> int:
+    return order.index(name) if name in order else len(order)
 
 
 def _declared(dataset: h5py.Dataset) -> _Declared:
