@@ -37,6 +37,10 @@ __all__ = [
 STATIC_FORMATS = ("png", "svg")
 _BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 _PLOT_CONFIG = {"displaylogo": False, "responsive": True}
+# Static files are as wide as a page's figures and as tall as each figure's layout says
+# (kaleido's default, 700 × 500, would squash figures of several rows of panels).
+_STATIC_WIDTH = 1100
+_STATIC_HEIGHT = 500
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,12 @@ def _static_export(figures: Sequence[tuple[str, go.Figure]], targets: list[Path]
 
     try:
         targets[0].parent.mkdir(exist_ok=True)
-        pio.write_images([figure for _, figure in figures], targets)
+        pio.write_images(
+            [figure for _, figure in figures],
+            targets,
+            width=_STATIC_WIDTH,
+            height=[figure.layout.height or _STATIC_HEIGHT for _, figure in figures],
+        )
     # kaleido reports a browser that will not start through several exception types of its
     # own; the HTML is written by now and must stand, so any of them becomes a skip message.
     except Exception as error:
