@@ -501,7 +501,7 @@ def density_figure(
     panels = tuple(
         _Panel(
             "" if len(runs) == 1 else label,
-            heat=_Heat(h.step, h.y, np.log10(np.fmax(h.z, floor)), h.original),
+            heat=_Heat(h.step, h.y, np.log10(np.maximum(h.z, floor)), h.original),
         )
         for label, h in heats.items()
     )
@@ -669,8 +669,7 @@ def _blocks_figure(
                 row = [{} if c < left else None for c in range(columns)]
                 specs.append([{"colspan": columns}] + row[1:] if len(block.panels) == 1 else row)
             cells.append((block, panel, len(specs), col + 1))
-            named = panel.title if len(blocks) == 1 else f"{block.title}: {panel.title}"
-            titles.append(named if panel.title else "" if len(blocks) == 1 else block.title)
+            titles.append(_panel_title(block, panel, alone=len(blocks) == 1))
     rows = len(specs)
     height = _HEIGHT if rows == 1 else 140 + _ROW_HEIGHT * rows
     figure = make_subplots(
@@ -709,13 +708,21 @@ def _blocks_figure(
     elif title is None:
         title = " · ".join(dict.fromkeys(b.title for b in blocks))
     _style(figure, title, reduced, height, thinned)
-    figure.update_xaxes(matches="x")  # zooming one panel zooms all: they share the steps
+    # Zooming one panel zooms all: they share the steps (the first axis matches no other).
+    figure.update_xaxes(matches="x")
     figure.layout.xaxis.matches = None
     figure.update_xaxes(title_text="step", row=rows)
     if scales:  # the colour bars take the right margin: the legend goes below
         legend = dict(orientation="h", yref="container", y=0, yanchor="bottom")
         figure.update_layout(legend=legend, margin_b=90)
     return figure
+
+
+def _panel_title(block: _Block, panel: _Panel, alone: bool) -> str:
+    # A figure of one block is titled by it, so its panels only say what tells them apart.
+    if alone:
+        return panel.title
+    return f"{block.title}: {panel.title}" if panel.title else block.title
 
 
 def _add_curve(
