@@ -112,7 +112,7 @@ def test_files_without_views_read_the_standard_ones(tmp_path):
     assert modern.views("loss") == {} and modern.views("custom")["x"].title == "x over steps"
 
 
-def test_a_damaged_group_is_a_one_line_error(tmp_path):
+def test_a_malformed_view_is_a_one_line_error(tmp_path):
     run = write_run(tmp_path / "run.h5", {"loss": {"train": SeriesSpec()}}, {})
     with h5py.File(run.path, "r+") as file:
         file["series/loss/train"].attrs["view"] = '{"no": "kind"}'
@@ -122,13 +122,14 @@ def test_a_damaged_group_is_a_one_line_error(tmp_path):
 
 def test_recorded_views_match_the_table_of_older_files(recorded_runs):
     run = open_run(recorded_runs[0])
+    compared = 0
     for group, table in STANDARD_VIEWS.items():
-        assert {n: v for n, v in run.views(group).items() if n in table} == {
-            n: table[n] for n in run.views(group) if n in table
-        }, group
+        for name, view in run.views(group).items():
+            if name in table:  # what the probes declare is what older files are drawn with
+                assert view == table[name], (group, name)
+                compared += 1
+    assert compared == sum(len(table) for table in STANDARD_VIEWS.values())  # all recorded
     assert run.views(names.VALIDATION) == {k: validation_view(k) for k in ("val_loss", "val_acc")}
-    recorded = set(run.views(names.HESSIAN))
-    assert {names.HESSIAN_TRACE, names.HESSIAN_GRADIENT_SHARE} <= recorded
 
 
 def test_view_kinds_labels_units_and_log_scale():
