@@ -130,6 +130,9 @@ def test_recorded_views_match_the_table_of_older_files(recorded_runs):
                 compared += 1
     assert compared == sum(len(table) for table in STANDARD_VIEWS.values())  # all recorded
     assert run.views(names.VALIDATION) == {k: validation_view(k) for k in ("val_loss", "val_acc")}
+    # drawn in the order the probes declare them, not HDF5's order by name
+    assert list(run.views(names.DISPLACEMENT)) == list(STANDARD_VIEWS[names.DISPLACEMENT])
+    assert list(run.views(names.HESSIAN)) == list(STANDARD_VIEWS[names.HESSIAN])
 
 
 def test_view_kinds_labels_units_and_log_scale():

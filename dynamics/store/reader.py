@@ -163,8 +163,9 @@ class Run:
         lists a group's series by name), the others after them.
         """
         views = {n: d.view for n, d in self._declared.get(group, {}).items() if d.view}
-        order = list(STANDARD_VIEWS.get(group, ()))
-        return dict(sorted(views.items(), key=lambda item: _position(order, item[0])))
+        standard = STANDARD_VIEWS.get(group, {})
+        order = [n for n in standard if n in views] + [n for n in views if n not in standard]
+        return {name: views[name] for name in order}
 
     def columns(self, group: str, name: str) -> tuple[str, ...]:
         """Names of the last axis of a series: as recorded, else ``<name>_0``, ``<name>_1``, ...
@@ -282,10 +283,6 @@ def _open(path: Path) -> h5py.File:
             raise
     # A run still being written, or whose writer was killed: only SWMR reads open those.
     return h5py.File(path, "r", swmr=True)
-
-
-def _position(order: list[str], name: str) -> int:
-    return order.index(name) if name in order else len(order)
 
 
 def _declared(dataset: h5py.Dataset) -> _Declared:
