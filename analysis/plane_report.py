@@ -1,15 +1,21 @@
-"""Interactive HTML of plane views: heatmaps with trajectories, and real vs on-plane losses."""
+"""Interactive HTML of plane views: heatmaps with trajectories, and real vs on-plane losses.
+
+The page comes from the kit of :mod:`dynamics.analysis.page`, as the report's and the
+comparison's do: same look, plotly.js embedded once, the same static export.
+"""
 
 from __future__ import annotations
 
 import html
+import os
 from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dynamics.analysis.output import write_atomically
+from dynamics import __version__
+from dynamics.analysis.page import Written, figure_html, html_page, html_table, write_page
 from dynamics.analysis.plane_views import PlaneView
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
@@ -92,6 +98,7 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
         )
     figure.update_layout(
         height=480 * rows,
+        template="plotly_white",
         title="Loss landscapes on parameter planes",
         legend={"orientation": "h", "y": -0.08},
     )
@@ -122,29 +129,50 @@ def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
         yaxis_title="loss (probe batch)",
         yaxis_type="log",
         height=420,
+        template="plotly_white",
     )
     return figure
 
 
-def write_plane_html(views: list[PlaneView], out: Path) -> None:
-    """A self-contained HTML page (plotly.js embedded) of ``views``, written atomically.
+def write_plane_html(
+    views: list[PlaneView],
+    out: Path,
+    *,
+    static_dir: str | os.PathLike | None = None,
+    static_format: str = "png",
+    overwrite: bool = False,
+) -> Written:
+    """A self-contained HTML page (plotly.js embedded once) of ``views``, written atomically.
 
     The caller checks ``out`` first (:func:`dynamics.analysis.output.check_output`), before the
     grids are computed.
+
+    Args:
+        views: the plane views, as :func:`dynamics.analysis.plane_views.plane_views` returns.
+        out: the HTML file.
+        static_dir: also export both figures into this folder (see
+            :func:`dynamics.analysis.page.write_page`).
+        static_format: ``"png"`` or ``"svg"``.
+        overwrite: replace existing static files.
+
+    Returns:
+        What was written.
     """
     notes = {k: v for view in views for k, v in view.notes.items()}
-    rows = "".join(
-        f"<tr><td>{html.escape(k)}</td><td>{v:.4f}</td></tr>" for k, v in sorted(notes.items())
-    )
-    body = "\n".join(
+    figures = [
+        ("plane-heatmaps", heatmap_figure(views)),
+        ("plane-checkpoint-loss", checkpoint_loss_figure(views)),
+    ]
+    body = "".join(
         [
             "<h1>Initial-gradient plane and out-of-plane views</h1>",
+            f"<p class='meta'>{html.escape(', '.join(dict.fromkeys(v.run for v in views)))}"
+            f" · dynamics {__version__}</p>",
             "<p>Heatmaps: log10 of each run's loss on its stored probe batch at θ0 + a·u + b·v "
             "(models in eval mode). Circles mark θ0, stars θT.</p>",
-            f"<table border=1 cellpadding=4>{rows}</table>",
-            heatmap_figure(views).to_html(full_html=False, include_plotlyjs=True),
-            checkpoint_loss_figure(views).to_html(full_html=False, include_plotlyjs=False),
+            html_table(("note", "value"), sorted(notes.items())),
+            *(figure_html(figure, i) for i, (_, figure) in enumerate(figures)),
         ]
     )
-    page = "<!DOCTYPE html><html><head><meta charset='utf-8'><title>plane views</title></head>"
-    write_atomically(Path(out), f"{page}<body>{body}</body></html>")
+    page = html_page("dynamics plane views", body)
+    return write_page(Path(out), page, figures, static_dir, static_format, overwrite)

@@ -16,6 +16,18 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from dynamics.callbacks import (
+    DynamicsRecorder,
+    HessianSpectrum,
+    HiddenStateNorms,
+    LoggedMetrics,
+    ParameterDisplacement,
+    Probe,
+    SeriesSpec,
+    TrainingLoss,
+)
+from dynamics.store import View
+
 torch.set_num_threads(1)
 for _name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
     logging.getLogger(_name).setLevel(logging.ERROR)
@@ -123,3 +135,89 @@ def demo(tmp_path_factory):
     )
     assert result.returncode == 0, result.stderr
     return folder, result
+
+
+class HeadNorms(Probe):
+    """A user's own probe, known to no module of the package: the norms of the head's weight
+    and bias, drawn as the view it declares says."""
+
+    name = "head_norms"
+    view = View("lines", "Head parameter norms (a user's probe)", "‖p‖ of the head", units="au")
+
+    def series(self):
+        spec = SeriesSpec((2,), columns=("weight", "bias"), view=self.view)
+        return {self.name: {"norm": spec}}
+
+    def on_step_end(self, trainer, pl_module, batch, outputs, step):
+        head = pl_module.head
+        return {self.name: {"norm": torch.stack([head.weight.norm(), head.bias.norm()]).detach()}}
+
+
+class TinyClassifier(pl.LightningModule):
+    """An MLP classifier whose validation step logs ``val_loss`` and ``val_acc``."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self):
+        return self._data(0, shuffle=True)
+
+    def val_dataloader(self):
+        return self._data(1, shuffle=False)
+
+    def _data(self, seed: int, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn(96, 6, generator=generator)
+        y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+        return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=shuffle, generator=generator)
+
+
+@pytest.fixture
+def user_view() -> View:
+    """The view the user's own probe of :func:`recorded_runs` declares."""
+    return HeadNorms.view
+
+
+@pytest.fixture(scope="session")
+def recorded_runs(tmp_path_factory) -> list[Path]:
+    """Two tiny fits sharing θ0 and differing in the learning rate, recorded with every
+    standard probe (the Hessian's trace, gradient share and spectral density included), the
+    validation metrics ``val_loss`` and ``val_acc``, and a user's own probe (:class:`HeadNorms`).
+    """
+    folder = tmp_path_factory.mktemp("recorded")
+    paths = []
+    for lr in (0.3, 0.1):
+        torch.manual_seed(0)
+        probes = [
+            TrainingLoss(),
+            HiddenStateNorms(),
+            ParameterDisplacement(),
+            HessianSpectrum(k=2, every_n_steps=4, trace_hvp=8, gradient_share=True, density_runs=2),
+            LoggedMetrics(keys=["val_loss", "val_acc"]),
+            HeadNorms(),
+        ]
+        path = folder / f"lr{lr}.h5"
+        recorder = DynamicsRecorder(path, probes, config={"lr": lr})
+        trainer = make_quiet_trainer(max_steps=24, num_sanity_val_steps=0, callbacks=[recorder])
+        trainer.fit(TinyClassifier(lr))
+        paths.append(path)
+    return paths

@@ -263,3 +263,47 @@ def test_static_export_of_each_figure(tmp_path):
     assert written.static_skipped is None, written.static_skipped
     assert len(written.static_files) == written.figures
     assert all(f.read_text().lstrip().startswith("<svg") for f in written.static_files)
+
+
+#: The figure titled ``title`` as drawn: its title text in the SVG, the y-axis titles, and
+#: whether each of its traces was drawn with data (null when no figure has that title).
+FIGURE = """(title => {
+  const d = [...document.querySelectorAll('.plotly-graph-div')]
+    .find(d => d.layout && d.layout.title && d.layout.title.text === title);
+  if (!d) return null;
+  const traces = [...d.querySelectorAll('.scatterlayer .trace')];
+  const line = t => [...t.querySelectorAll('path.js-line')]
+    .some(p => (p.getAttribute('d') || '').length > 1);
+  return JSON.stringify({
+    title: (d.querySelector('.gtitle') || {}).textContent,
+    y_titles: [...d.querySelectorAll('.ytitle')].map(t => t.textContent),
+    legend: [...d.querySelectorAll('.legendtext')].map(t => t.textContent),
+    traces: (d._fullData || []).length,
+    with_data: traces.filter(t => line(t) || t.querySelectorAll('.point').length > 0).length,
+  });
+})"""
+
+
+@pytest.mark.parametrize("page", ["report", "compare"])
+def test_a_users_probe_is_drawn_with_its_declared_labels(
+    pages, recorded_runs, user_view, dynamics, tmp_path, page
+):
+    devtools, _, _ = pages
+    out = tmp_path / f"{page}.html"
+    result = dynamics(page, *recorded_runs, "-o", out)
+    assert result.returncode == 0, result.stderr
+    session = devtools.open(out.resolve().as_uri())
+    view = user_view
+    deadline = time.monotonic() + 30
+    while True:
+        found = devtools.evaluate(f"{FIGURE}({json.dumps(view.title)})", session)
+        drawn = found and json.loads(found)
+        if (drawn and drawn["with_data"] == drawn["traces"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert drawn, f"no figure titled {view.title!r} in the {page}"
+    assert drawn["title"] == view.title
+    assert f"{view.y_label} [{view.units}]" in drawn["y_titles"]
+    assert {"weight", "bias"} <= set(drawn["legend"])
+    assert drawn["traces"] > 0 and drawn["with_data"] == drawn["traces"], drawn
+    assert devtools.errors(session) == []

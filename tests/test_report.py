@@ -12,12 +12,13 @@ import pytest
 import yaml
 from plotly.offline import get_plotlyjs
 
-from dynamics.analysis import compare, figures, report
-from dynamics.analysis.compare import config_differences, crossover, write_comparison
+from dynamics.analysis import comparison, figures, page, report
+from dynamics.analysis.compare import write_comparison
+from dynamics.analysis.comparison import config_differences, crossover
 from dynamics.analysis.figures import decimate
 from dynamics.analysis.report import write_report
 from dynamics.errors import DynamicsError
-from dynamics.store import RunWriter, SeriesSpec
+from dynamics.store import RunWriter, SeriesSpec, open_run
 
 DYNAMICS = str(Path(sys.executable).with_name("dynamics"))
 LAYERS = ("blocks.0", "blocks.1", "blocks.2")
@@ -155,7 +156,7 @@ def test_report_is_self_contained_with_one_copy_of_plotly(tmp_path):
     assert written.figures == 9 and page.count("Plotly.newPlot(") == 9
     assert "Not recorded: validation, activation_bias, displacement, hessian, plane." in page
     assert page.count("<section id='run-") == 2
-    verdicts = report.run_overshoot(report.open_runs([full])[0])
+    verdicts = report.run_overshoot(open_run(full))
     assert [layer.overshoot for layer in verdicts.layers] == [True, False, False]
     assert "rises" in page and "fastest loss descent" in page
     assert "&quot;lr&quot;: 0.001" in page  # the config, escaped
@@ -226,7 +227,7 @@ def test_warning_rows_when_theta0_data_or_config_differ(tmp_path):
 
 def test_static_export_is_skipped_with_a_reason(tmp_path, monkeypatch):
     run = write_run(tmp_path / "run.h5", groups=("loss",))
-    monkeypatch.setattr(report, "find_spec", lambda name: None)
+    monkeypatch.setattr(page, "find_spec", lambda name: None)
     written = write_report([run], tmp_path / "r.html", static_dir=tmp_path / "png")
     assert written.static_skipped.startswith("static export skipped: kaleido is not installed")
     assert written.path.exists() and written.static_files == ()
@@ -234,7 +235,7 @@ def test_static_export_is_skipped_with_a_reason(tmp_path, monkeypatch):
 
 def test_smoothing_keeps_monotone_series_monotone():
     x = np.cumsum(np.random.default_rng(2).random(500))
-    assert np.all(np.diff(compare.smooth(x)) >= 0)
+    assert np.all(np.diff(comparison.smooth(x)) >= 0)
 
 
 TINY = {

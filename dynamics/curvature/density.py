@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynamics.broadening import broadened_density
 from dynamics.curvature.krylov import KrylovBasis, random_vectors
 from dynamics.curvature.operator import LinearOperator
 
@@ -79,17 +80,3 @@ def spectral_density(
     return SpectralDensity(
         nodes, weights, grid, broadened_density(nodes, weights, grid, sigma), sigma, n_hvp
     )
-
-
-def broadened_density(
-    nodes: np.ndarray, weights: np.ndarray, grid: np.ndarray, sigma: float
-) -> np.ndarray:
-    """``(1/runs) Σ_runs Σ_j weights·N(grid; nodes, sigma²)`` for recorded nodes and weights.
-
-    Works offline on what :class:`~dynamics.callbacks.HessianSpectrum` stores.
-    """
-    nodes = np.atleast_2d(nodes)
-    weights = np.atleast_2d(weights)
-    offsets = (grid[:, None, None] - nodes[None]) / sigma
-    kernel = np.exp(-0.5 * offsets**2) / (sigma * np.sqrt(2 * np.pi))
-    return (kernel * weights[None]).sum(axis=(1, 2)) / nodes.shape[0]

@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import h5py
 import numpy as np
@@ -30,6 +30,7 @@ from dynamics.store.schema import (
     View,
     decode_attr,
 )
+from dynamics.store.views import STANDARD_VIEWS, standard_view
 
 if TYPE_CHECKING:
     from dynamics.params import ParameterLayout
@@ -43,7 +44,7 @@ class Series:
         step: optimizer steps, strictly increasing, shape (n,).
         values: ``{name: array of shape (n, *row_shape)}``.
         columns: ``{name: names of the last axis}`` for series that name it.
-        views: ``{name: how it is drawn}`` for series that declared a view.
+        views: ``{name: how it is drawn}`` for series that are drawn (see :meth:`Run.views`).
     """
 
     step: np.ndarray
@@ -103,14 +104,44 @@ class RunStatus:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class Metric:
+    """One value per recorded step (a loss, a logged validation metric).
+
+    Attributes:
+        name: the series' name in its group (``train``, ``val_loss``, ...).
+        step: optimizer steps, shape (n,).
+        values: the values, shape (n,).
+    """
+
+    name: str
+    step: np.ndarray
+    values: np.ndarray
+
+
+class _Declared(NamedTuple):
+    """What a series' dataset says about it before any row is read."""
+
+    shape: tuple[int, ...]  # of one row
+    columns: tuple[str, ...] | None
+    view: View | None
+
+
 class Run:
     """A run file's metadata, series, vectors, events and status; see :func:`open_run`."""
 
-    def __init__(self, path: Path, attrs: dict[str, Any], groups: tuple[str, ...], vectors: dict):
+    def __init__(
+        self,
+        path: Path,
+        attrs: dict[str, Any],
+        declared: dict[str, dict[str, _Declared]],
+        vectors: dict,
+    ):
         self.path = path
         self.attrs = attrs
-        self.groups = groups
+        self.groups = tuple(declared)
         self.vector_names = tuple(vectors)
+        self._declared = declared
         self._vector_shapes = vectors
         self._series: dict[str, Series] = {}
 
@@ -129,16 +160,96 @@ class Run:
         data = self.attrs.get(names.ATTR_LAYOUT)
         return ParameterLayout.from_dict(data) if data else None
 
+    @property
+    def theta0_sha256(self) -> str | None:
+        """The recorded hash of θ0, or None when the run did not record it."""
+        return self.attrs.get(names.ATTR_THETA0_SHA256)
+
+    def shares_theta0(self, other: Run) -> bool:
+        """Whether both runs recorded the same θ0 (False when either recorded no hash)."""
+        return self.theta0_sha256 is not None and self.theta0_sha256 == other.theta0_sha256
+
     def series(self, group: str) -> Series:
-        """Every row of ``group`` (read once, then cached)."""
+        """Every row of ``group`` (read once, then cached).
+
+        Raises:
+            KeyError: the run has no such group.
+            RunFileError: its data cannot be read (a damaged file).
+        """
         if group not in self.groups:
             raise KeyError(
                 f"{self.path.name} has no series {group!r} (has {', '.join(self.groups)})"
             )
         if group not in self._series:
-            with _open(self.path) as file:
-                self._series[group] = _read_series(file[SERIES][group])
+            try:
+                with _open(self.path) as file:
+                    step, values = _read_rows(file[SERIES][group])
+            except OSError as error:
+                raise RunFileError(
+                    f"{self.path}: cannot read series {group!r} (truncated or corrupted?)"
+                ) from error
+            columns = {n: d.columns for n, d in self._declared[group].items() if d.columns}
+            self._series[group] = Series(step, values, columns, self.views(group))
         return self._series[group]
+
+    def recorded(self, group: str) -> Series | None:
+        """The rows of ``group``, or None when it was not recorded or holds no row.
+
+        Raises:
+            RunFileError: the group's data cannot be read (a damaged file).
+        """
+        if group not in self.groups:
+            return None
+        rows = self.series(group)
+        return rows if len(rows) else None
+
+    def views(self, group: str) -> dict[str, View]:
+        """``{series: how it is drawn}`` of the group's drawn series, read without its rows.
+
+        A file written before series stored their views gets the standard probes' views. The
+        standard series come in the order of :data:`dynamics.store.views.STANDARD_VIEWS` (HDF5
+        lists a group's series by name), the others after them.
+        """
+        views = {n: d.view for n, d in self._declared.get(group, {}).items() if d.view}
+        standard = STANDARD_VIEWS.get(group, {})
+        order = [n for n in standard if n in views] + [n for n in views if n not in standard]
+        return {name: views[name] for name in order}
+
+    def columns(self, group: str, name: str) -> tuple[str, ...]:
+        """Names of the last axis of a series: as recorded, else ``<name>_0``, ``<name>_1``, ...
+
+        Raises:
+            KeyError: the run has no such series.
+        """
+        declared = self._declared[group][name]
+        if declared.columns:
+            return declared.columns
+        width = declared.shape[-1] if declared.shape else 1
+        return tuple(f"{name}_{j}" for j in range(width))
+
+    def train_loss(self) -> Metric | None:
+        """The training loss (group ``loss``, series ``train``), or None when not recorded."""
+        rows = self.recorded(names.LOSS)
+        if rows is None or names.LOSS_TRAIN not in rows.values:
+            return None
+        return Metric(names.LOSS_TRAIN, rows.step, rows[names.LOSS_TRAIN])
+
+    def validation_metrics(self) -> dict[str, Metric]:
+        """Every metric logged during validation, ``{key: Metric}``; empty when none was."""
+        rows = self.recorded(names.VALIDATION)
+        if rows is None:
+            return {}
+        return {key: Metric(key, rows.step, values) for key, values in rows.values.items()}
+
+    def heldout_loss(self) -> Metric | None:
+        """The held-out loss, or None.
+
+        It is the validation metric ``val_loss`` (what the teacher–student module logs), else
+        the first whose name contains ``loss``: a module's own logging names vary.
+        """
+        metrics = self.validation_metrics()
+        keys = [k for k in metrics if k == names.VAL_LOSS] or [k for k in metrics if "loss" in k]
+        return metrics[keys[0]] if keys else None
 
     def vector(self, name: str) -> np.ndarray | None:
         """A stored vector, or None when it is absent or was never filled (NaN)."""
@@ -239,16 +350,22 @@ def open_run(path: str | os.PathLike) -> Run:
                     f"{path}: schema version {version} is newer than this dynamics reads "
                     f"({SCHEMA_VERSION}); upgrade dynamics"
                 )
-            groups = tuple(file[SERIES]) if SERIES in file else ()
+            declared = {}
+            for group, datasets in file[SERIES].items() if SERIES in file else ():
+                # Every dataset, step included, is looked at here so corruption shows on open.
+                declared[group] = {n: _declared(d) for n, d in datasets.items()}
+                del declared[group][STEP]
             vectors = {n: d.shape for n, d in file[VECTORS].items()} if VECTORS in file else {}
-            for group in groups:  # touch every dataset so corruption shows here, not later
-                for dataset in file[SERIES][group].values():
-                    _ = dataset.shape, dataset.dtype
     except RunFileError:
         raise
-    except (OSError, KeyError, ValueError) as error:
+    except (OSError, KeyError, ValueError, TypeError) as error:
         raise RunFileError(f"{path}: not a readable run file (truncated or corrupted?)") from error
-    return Run(path, attrs, groups, vectors)
+    if not any(d.view for series in declared.values() for d in series.values()):
+        declared = {
+            group: {n: d._replace(view=standard_view(group, n)) for n, d in series.items()}
+            for group, series in declared.items()
+        }
+    return Run(path, attrs, declared, vectors)
 
 
 def _open(path: Path) -> h5py.File:
@@ -290,7 +407,20 @@ def _values(dataset: h5py.Dataset) -> np.ndarray:
     return dataset[:]
 
 
-def _read_series(group: h5py.Group) -> Series:
+def _declared(dataset: h5py.Dataset) -> _Declared:
+    _ = dataset.dtype
+    attrs = dataset.attrs
+    columns = attrs.get(names.ATTR_COLUMNS)
+    view = attrs.get(names.ATTR_VIEW)
+    return _Declared(
+        dataset.shape[1:],
+        None if columns is None else tuple(decode_attr(columns)),
+        None if view is None else View.from_dict(decode_attr(view)),
+    )
+
+
+def _read_rows(group: h5py.Group) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``(step, {series: values})`` of the group's complete rows."""
     step = group[STEP][:]
     values = {name: _values(d) for name, d in group.items() if name != STEP}
     # A killed writer can leave extents ahead of data: keep the rows whose step and values all
@@ -299,14 +429,4 @@ def _read_series(group: h5py.Group) -> Series:
     written = step[:n] != UNWRITTEN_STEP
     increasing = np.concatenate([[True], np.diff(step[:n]) > 0])
     n = int(np.argmin(written & increasing)) if not (written & increasing).all() else n
-    columns = {
-        name: tuple(decode_attr(group[name].attrs[names.ATTR_COLUMNS]))
-        for name in values
-        if names.ATTR_COLUMNS in group[name].attrs
-    }
-    views = {
-        name: View.from_dict(decode_attr(group[name].attrs[names.ATTR_VIEW]))
-        for name in values
-        if names.ATTR_VIEW in group[name].attrs
-    }
-    return Series(step[:n], {k: v[:n] for k, v in values.items()}, columns, views)
+    return step[:n], {k: v[:n] for k, v in values.items()}

@@ -1,0 +1,143 @@
+"""What a run's recorded series are drawn as: the figures' inputs, read through the typed
+readers of :class:`~dynamics.store.Run`.
+
+Every series that declares a view is drawn from it (:func:`series_views`), except those a
+dedicated view draws: the training and held-out loss (the loss figure, with the crossover in a
+comparison), the plane coordinates (path and in-plane share, which declare no view) and the
+spectral density (:func:`density_rows`). The hidden-state norms are drawn from their view with
+the overshoot verdicts marked on them (:func:`run_overshoot`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from dynamics.analysis.figures import Peak, SeriesView
+from dynamics.analysis.overshoot import OvershootReport, detect_overshoot
+from dynamics.errors import DynamicsError
+from dynamics.store import Run, names
+
+__all__ = [
+    "STANDARD_GROUPS",
+    "dedicated_series",
+    "density_rows",
+    "drawn_groups",
+    "group_title",
+    "loss_window",
+    "overshoot_peaks",
+    "run_overshoot",
+    "series_views",
+]
+
+#: The standard probes' groups, in the order pages draw them; other groups follow by name.
+STANDARD_GROUPS = (
+    names.LOSS,
+    names.VALIDATION,
+    names.HIDDEN_NORMS,
+    names.ACTIVATION_BIAS,
+    names.DISPLACEMENT,
+    names.HESSIAN,
+    names.PLANE,
+)
+
+
+def drawn_groups(runs: Iterable[Run]) -> list[str]:
+    """The groups any of the runs recorded, standard ones first, in drawing order."""
+    recorded = {group for run in runs for group in run.groups}
+    return [g for g in STANDARD_GROUPS if g in recorded] + sorted(recorded - {*STANDARD_GROUPS})
+
+
+def group_title(group: str) -> str:
+    """The title of a figure drawing several series of ``group``: its name, as words."""
+    return group.replace("_", " ").capitalize()
+
+
+def dedicated_series(run: Run) -> set[tuple[str, str]]:
+    """``(group, series)`` drawn by the loss figure rather than from their views."""
+    drawn = {(names.LOSS, names.LOSS_TRAIN)}
+    heldout = run.heldout_loss()
+    if heldout is not None:
+        drawn.add((names.VALIDATION, heldout.name))
+    return drawn
+
+
+def series_views(
+    run: Run, group: str, peaks: Mapping[str, Sequence[Peak]] | None = None
+) -> list[SeriesView]:
+    """Every series of ``group`` that declares a view and no dedicated view draws.
+
+    Args:
+        run: the run.
+        group: one of its groups (or any name: a group it did not record has no series).
+        peaks: ``{series: overshoot peaks}`` to mark on it.
+
+    Raises:
+        RunFileError: the group's data cannot be read (a damaged file).
+    """
+    skip = dedicated_series(run)
+    views = {n: v for n, v in run.views(group).items() if (group, n) not in skip}
+    rows = run.recorded(group) if views else None
+    if rows is None:
+        return []
+    return [
+        SeriesView(
+            name,
+            view,
+            rows.step,
+            rows[name],
+            run.columns(group, name),
+            tuple((peaks or {}).get(name, ())),
+        )
+        for name, view in views.items()
+    ]
+
+
+def density_rows(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(step, nodes, weights)`` of the recorded spectral density, or None when the run has
+    no row with a finite node."""
+    rows = run.recorded(names.HESSIAN)
+    wanted = (names.HESSIAN_DENSITY_NODES, names.HESSIAN_DENSITY_WEIGHTS)
+    if rows is None or not all(name in rows.values for name in wanted):
+        return None
+    nodes, weights = (rows[name] for name in wanted)
+    return (rows.step, nodes, weights) if np.isfinite(nodes).any() else None
+
+
+def run_overshoot(run: Run) -> OvershootReport | None:
+    """Overshoot verdicts of every recorded layer's hidden-state norm, or None without norms.
+
+    The loss window comes from the training loss when the run recorded one.
+
+    Raises:
+        DynamicsError: the norms cannot be judged (e.g. too few records).
+    """
+    norms = run.recorded(names.HIDDEN_NORMS)
+    if norms is None or names.HIDDEN_NORM not in norms.values:
+        return None
+    loss = run.train_loss()
+    try:
+        return detect_overshoot(
+            norms.step,
+            norms[names.HIDDEN_NORM],
+            loss_steps=None if loss is None else loss.step,
+            loss=None if loss is None else loss.values,
+            layer_names=list(run.columns(names.HIDDEN_NORMS, names.HIDDEN_NORM)),
+        )
+    except ValueError as error:
+        raise DynamicsError(f"{run.path}: cannot judge overshoot: {error}") from error
+
+
+def overshoot_peaks(report: OvershootReport | None) -> dict[str, list[Peak]]:
+    """``{series: peaks}`` of the layers judged to overshoot, to mark on the norms."""
+    layers = report.layers if report else ()
+    return {
+        names.HIDDEN_NORM: [Peak(x.name, x.peak_step, x.peak_value) for x in layers if x.overshoot]
+    }
+
+
+def loss_window(report: OvershootReport | None) -> tuple[float, float] | None:
+    """``(start, end)`` step of the window of fastest loss reduction, when one was found."""
+    window = report.loss_window if report else None
+    return (window.start_step, window.end_step) if window and window.found else None
