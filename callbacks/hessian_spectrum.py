@@ -18,6 +18,7 @@ from dynamics.curvature import HessianOperator, hutch_plus_plus, lanczos, spectr
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_rule import module_loss
 from dynamics.store import View, names
+from dynamics.store.views import standard_view
 
 
 class HessianSpectrum(Probe):
@@ -132,26 +133,25 @@ class HessianSpectrum(Probe):
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
-        eigenvalues = View("lines", "Top Hessian eigenvalues", "λ")
-        residuals = View("lines", "Eigenpair residuals ‖Hv − λv‖", "residual", log_y=True)
+
+        def view(series: str) -> View | None:
+            return standard_view(names.HESSIAN, series)
+
+        eigenvalues, residuals = view(names.HESSIAN_EIGENVALUES), view(names.HESSIAN_RESIDUALS)
         specs = {
             names.HESSIAN_EIGENVALUES: SeriesSpec((self.k,), columns=columns, view=eigenvalues),
             names.HESSIAN_RESIDUALS: SeriesSpec((self.k,), columns=columns, view=residuals),
             names.HESSIAN_CONVERGED: SeriesSpec(dtype="int8"),
-            names.HESSIAN_N_HVP: SeriesSpec(
-                dtype="int32", view=View("scalar", "Hessian-vector products per record", "HVPs")
-            ),
-            names.HESSIAN_LOSS: SeriesSpec(view=View("scalar", "Probe-batch loss", "loss")),
+            names.HESSIAN_N_HVP: SeriesSpec(dtype="int32", view=view(names.HESSIAN_N_HVP)),
+            names.HESSIAN_LOSS: SeriesSpec(view=view(names.HESSIAN_LOSS)),
         }
         if self.trace_hvp:
             specs |= {
-                names.HESSIAN_TRACE: SeriesSpec(
-                    view=View("scalar", "Hessian trace (Hutch++)", "tr H")
-                ),
+                names.HESSIAN_TRACE: SeriesSpec(view=view(names.HESSIAN_TRACE)),
                 names.HESSIAN_TRACE_STDERR: SeriesSpec(),
             }
         if self.gradient_share:
-            share = View("scalar", "Gradient share in the top-k eigenspace", "‖P_k g‖² / ‖g‖²")
+            share = view(names.HESSIAN_GRADIENT_SHARE)
             specs[names.HESSIAN_GRADIENT_SHARE] = SeriesSpec(view=share)
         if self.density_runs:
             shape = (self.density_runs, self.density_steps)

@@ -20,7 +20,8 @@ from torch.nn.modules.conv import _ConvNd
 from dynamics.activations import ACTIVATIONS, ShiftedActivation
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec
 from dynamics.isolation import in_extra_pass
-from dynamics.store import View, names
+from dynamics.store import names
+from dynamics.store.views import standard_view
 
 #: Module types whose output is a post-activation, for the activation-bias series.
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
@@ -238,7 +239,7 @@ class HiddenStateNorms(Probe):
         """The norm and bias series of the modules setup chose; empty before setup."""
         if not self.layers:
             return {}
-        norms = View("panels", "Hidden-state norm per layer", "mean ‖h‖")
+        norms = standard_view(names.HIDDEN_NORMS, names.HIDDEN_NORM)
         groups = {
             names.HIDDEN_NORMS: {
                 names.HIDDEN_NORM: SeriesSpec((len(self.layers),), columns=self.layers, view=norms)
@@ -246,7 +247,7 @@ class HiddenStateNorms(Probe):
         }
         if self.activation_layers:
             n = len(self.activation_layers)
-            bias = View("panels", "Activation bias per layer (mean post-activation)", "mean φ(z)")
+            bias = standard_view(names.ACTIVATION_BIAS, names.ACTIVATION_MEAN)
             groups[names.ACTIVATION_BIAS] = {
                 names.ACTIVATION_MEAN: SeriesSpec((n,), columns=self.activation_layers, view=bias)
             }

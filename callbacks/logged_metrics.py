@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
-from dynamics.store import View, names
+from dynamics.store import names
+from dynamics.store.views import validation_view
 
 
 class LoggedMetrics(Probe):
@@ -30,11 +31,7 @@ class LoggedMetrics(Probe):
         self._missing: set[str] = set()  # keys already noted as not logged
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
-        return {
-            names.VALIDATION: {
-                key: SeriesSpec(view=View("scalar", f"Validation: {key}", key)) for key in self.keys
-            }
-        }
+        return {names.VALIDATION: {key: SeriesSpec(view=validation_view(key)) for key in self.keys}}
 
     def is_due(self, step: int) -> bool:
         return False  # validation runs have their own schedule

@@ -10,7 +10,8 @@ import torch
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
 from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.store import View, names
+from dynamics.store import names
+from dynamics.store.views import standard_view
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -92,15 +93,15 @@ class ParameterDisplacement(Probe):
         groups = {
             names.DISPLACEMENT: {
                 names.DISPLACEMENT_TOTAL: SeriesSpec(
-                    view=View("scalar", "Distance from initialization", "‖θt − θ0‖")
+                    view=standard_view(names.DISPLACEMENT, names.DISPLACEMENT_TOTAL)
                 ),
                 names.DISPLACEMENT_PER_TENSOR: SeriesSpec(
                     (len(tensors),),
                     columns=tensors,
-                    view=View("lines", "Distance from initialization per tensor", "‖θt − θ0‖"),
+                    view=standard_view(names.DISPLACEMENT, names.DISPLACEMENT_PER_TENSOR),
                 ),
                 names.DISPLACEMENT_UPDATE: SeriesSpec(
-                    view=View("scalar", "Update size", "‖θt+1 − θt‖", log_y=True)
+                    view=standard_view(names.DISPLACEMENT, names.DISPLACEMENT_UPDATE)
                 ),
             }
         }

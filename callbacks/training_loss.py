@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
-from dynamics.store import View, names
+from dynamics.store import names
+from dynamics.store.views import standard_view
 
 
 class TrainingLoss(Probe):
@@ -39,7 +40,7 @@ class TrainingLoss(Probe):
         self._noted: set[str] = set()  # the notes already made: each is made once per run
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
-        view = View("scalar", "Training loss", "loss", log_y=True)
+        view = standard_view(names.LOSS, names.LOSS_TRAIN)
         return {names.LOSS: {names.LOSS_TRAIN: SeriesSpec(view=view)}}
 
     def settings(self) -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""How the standard probes' series are drawn, for run files written before series stored it.
+"""How the standard probes' series are drawn: their declarations, and the views of run files
+written before series stored them.
 
-Probes declare a :class:`~dynamics.store.schema.View` with each series and the writer stores it
-as the series' ``view`` attribute. A file without any such attribute was written before views
-existed; its reader takes the views from this table, keyed by the names of
-:mod:`dynamics.store.names`, so old and new files draw alike.
+The standard probes declare their series with the views of this table (a user's probe declares
+its own), and the writer stores each as the series' ``view`` attribute. A file without any such
+attribute was written before views existed; its reader takes the views from this same table,
+keyed by the names of :mod:`dynamics.store.names`, so old and new files draw alike.
 """
 
 from __future__ import annotations
