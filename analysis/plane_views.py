@@ -25,7 +25,7 @@ from dynamics.plane import (
     plane_from_gradients,
     project,
 )
-from dynamics.store import Run
+from dynamics.store import Run, names
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def initial_gradient_plane(
         raise DynamicsError(f"--grid must be at least 2, got {grid_side}")
     runs = [run_a, run_b]
     theta0 = _check_comparable(runs)
-    gradients = [_vector(r, "g0", "initial gradient g0") for r in runs]
+    gradients = [_vector(r, names.G0, "initial gradient g0") for r in runs]
     try:
         plane = plane_from_gradients(theta0, *gradients)
     except ValueError as error:  # the runs' own gradients, so the user's input
@@ -190,11 +190,11 @@ def save_views(views: list[PlaneView], path: Path) -> None:
 
 def _check_comparable(runs: list[Run]) -> np.ndarray:
     first, second = runs
-    if first.attrs.get("theta0_sha256") != second.attrs.get("theta0_sha256"):
+    if not first.shares_theta0(second):
         raise DynamicsError(f"{first.path.name} and {second.path.name} do not share θ0")
     if first.layout != second.layout:
         raise DynamicsError(f"{first.path.name} and {second.path.name} differ in parameter layout")
-    return _vector(first, "theta0", "θ0").astype(np.float64)
+    return _vector(first, names.THETA0, "θ0").astype(np.float64)
 
 
 def _vector(run: Run, name: str, what: str) -> np.ndarray:
@@ -205,12 +205,13 @@ def _vector(run: Run, name: str, what: str) -> np.ndarray:
 
 
 def _checkpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:
-    if "snapshots" not in run.groups or len(run.series("snapshots")) == 0:
+    snapshots = run.recorded(names.SNAPSHOTS)
+    if snapshots is None:
         raise DynamicsError(f"{run.path.name}: no parameter snapshots (ParameterDisplacement)")
-    snapshots = run.series("snapshots")
-    final = _vector(run, "theta_final", "final parameters θT")
-    last = run.series("loss").step[-1] + 1 if "loss" in run.groups else snapshots.step[-1] + 1
-    return np.append(snapshots.step, last), np.vstack([snapshots["theta"], final])
+    final = _vector(run, names.THETA_FINAL, "final parameters θT")
+    loss = run.train_loss()
+    last = (loss.step if loss is not None else snapshots.step)[-1] + 1
+    return np.append(snapshots.step, last), np.vstack([snapshots[names.SNAPSHOT_THETA], final])
 
 
 def _trajectory(

@@ -144,6 +144,9 @@ def _info(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2, default=str))
         return 0
     print(f"{summary['path']}  (run {summary['run_name']}, schema v{summary['schema_version']})")
+    print(f"  status {_status_line(summary['status'])}")
+    for event in summary["events"]:
+        print(f"  event  step {event['step']} {event['probe']} {event['kind']}: {event['message']}")
     for group, info in summary["series"].items():
         shapes = ", ".join(f"{n}{tuple(s) if s else ''}" for n, s in info["series"].items())
         span = f"steps {info['first_step']}..{info['last_step']}" if info["rows"] else "empty"
@@ -154,6 +157,18 @@ def _info(args: argparse.Namespace) -> int:
     if config:
         print(f"  config {json.dumps(config, sort_keys=True)}")
     return 0
+
+
+def _status_line(status: dict) -> str:
+    """``finished at step 1999 after 93.2 s``, ``crashed (ValueError: ...)``, ..."""
+    line = status["state"]
+    if status["exception"]:
+        line += f" ({status['exception']})"
+    if status["last_step"] is not None:
+        line += f", last flushed step {status['last_step']}"
+    if status["wall_time_s"] is not None:
+        line += f", {status['wall_time_s']:.1f} s"
+    return line
 
 
 def _plane(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,15 +112,14 @@ def _train_variant(
     )
     trainer.fit(built.module, built.data)
     run = open_run(path)
-    train = run.series("loss")["train"]
-    heldout = run.series("validation")["val_loss"]
+    train, heldout = run.train_loss(), run.heldout_loss()
     return VariantResult(
         name=name,
         setting=setting,
         path=path,
-        final_train_loss=float(np.nanmean(train[-_FINAL_WINDOW:])),
-        final_heldout_loss=float(heldout[-1]) if len(heldout) else float("nan"),
-        theta0_sha256=run.attrs["theta0_sha256"],
+        final_train_loss=float(np.nanmean(train.values[-_FINAL_WINDOW:])) if train else math.nan,
+        final_heldout_loss=float(heldout.values[-1]) if heldout else math.nan,
+        theta0_sha256=run.theta0_sha256,
     )
 
 

@@ -25,6 +25,7 @@ from dynamics.experiments.teacher_student_config import TeacherStudentConfig
 from dynamics.initial_gradient import initial_gradient
 from dynamics.params import ParameterLayout, parameter_vector
 from dynamics.plane import Plane, plane_from_gradients
+from dynamics.store import names
 
 
 class TeacherStudent(Experiment[TeacherStudentConfig]):
@@ -61,7 +62,7 @@ class TeacherStudent(Experiment[TeacherStudentConfig]):
                 TrainingLoss(every),
                 HiddenStateNorms(every_n_steps=every),
                 ParameterDisplacement(every, snapshot_budget_mb=record.snapshot_budget_mb),
-                LoggedMetrics(["val_loss"]),
+                LoggedMetrics([names.VAL_LOSS]),
                 GradientPlane(basis=plane, batch=probe_batch, every_n_steps=every),
             ]
             if record.hessian_top_k:
@@ -97,15 +98,15 @@ def _initial_gradient_plane(built: Mapping[str, Built], probe_batch: Any) -> Pla
     """
     if len(built) < 2:
         return None
-    names = list(built)[:2]
-    students = [built[name].module for name in names]
+    pair = list(built)[:2]
+    students = [built[name].module for name in pair]
     layout = ParameterLayout.of(students[0])
     gradients = [initial_gradient(s, probe_batch, layout).double().numpy() for s in students]
     theta0 = parameter_vector(students[0], layout).double().numpy()
     try:
         return plane_from_gradients(theta0, *gradients)
     except ValueError as error:  # zero or collinear gradients: a config that varies nothing
-        raise DynamicsError(f"variants {names[0]} and {names[1]}: {error}") from None
+        raise DynamicsError(f"variants {pair[0]} and {pair[1]}: {error}") from None
 
 
 register(TeacherStudent())
