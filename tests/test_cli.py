@@ -30,7 +30,7 @@ def test_info_text_and_json(demo, dynamics):
     folder, _ = demo
     text = dynamics("info", folder / "runs" / "shifted.h5")
     assert text.returncode == 0 and "hidden_norms" in text.stdout and "steps 0..29" in text.stdout
-    assert "status finished, last flushed step 29" in text.stdout
+    assert "status finished, last flushed step 30" in text.stdout  # the last validation
     summary = json.loads(dynamics("info", folder / "runs" / "shifted.h5", "--json").stdout)
     assert summary["series"]["loss"]["rows"] == 30
     assert summary["status"]["state"] == "finished" and summary["events"] == []
