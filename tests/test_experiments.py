@@ -61,3 +61,25 @@ def test_registry_refuses_unknown_names_and_a_second_registration():
         get("nope")
     with pytest.raises(ValueError, match="already registered"):
         register(LearningRates())
+
+
+def test_equal_seed_numbers_give_independent_streams():
+    """Student seed 1 and teacher seed 1 (the default) used to build the teacher as the student:
+    zero loss, and a traceback for a zero gradient. Each stream now draws from its own spawn."""
+    from dynamics.experiments.teacher_student import STREAMS, stream_seed
+
+    assert len({stream_seed(1, stream) for stream in STREAMS}) == len(STREAMS)
+    assert stream_seed(1, "training data", 0) != stream_seed(1, "training data", 1)  # DDP ranks
+    student = TeacherStudentModule(**ARCH, seed=1).student
+    teacher = TeacherStudentData(**ARCH, teacher_seed=1).teacher
+    assert any((s != t).any() for s, t in zip(student.parameters(), teacher.parameters()))
+
+
+def test_run_with_the_teachers_seed_number(tmp_path, dynamics):
+    (tmp_path / "tiny.yaml").write_text(
+        "steps: 4\neval_every: 2\nmodel: {width: 8, expansion: 2, depth: 2}\n"
+        "data: {batch_size: 8, heldout_size: 16}\nrecord: {hessian_top_k: 0}\n"
+    )
+    result = dynamics("run", tmp_path / "tiny.yaml", "--out", tmp_path, "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert open_run(tmp_path / "shifted.h5").shares_theta0(open_run(tmp_path / "unshifted.h5"))

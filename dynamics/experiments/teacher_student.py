@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -23,10 +24,28 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def seeded_residual_mlp(seed: int, **architecture) -> ResidualMLP:
-    """A :class:`ResidualMLP` initialized from ``seed``, leaving the global RNG untouched."""
+#: The random streams of the experiment. Each draws from its own spawn of the seed it is given,
+#: so equal seed numbers never give equal streams (a student seeded like the teacher would be
+#: the teacher: zero loss, zero gradient).
+STREAMS = ("student", "teacher", "training data", "held-out data")
+
+
+def stream_seed(seed: int, stream: str, *extra: int) -> int:
+    """A 63-bit torch seed for ``stream``, independent of every other stream's for any seeds.
+
+    Args:
+        seed: the user's seed number for that stream.
+        stream: one of :data:`STREAMS`.
+        extra: further spawn keys (e.g. the DDP rank of a data stream).
+    """
+    sequence = np.random.SeedSequence(seed, spawn_key=(STREAMS.index(stream), *extra))
+    return int(sequence.generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def seeded_residual_mlp(seed: int, stream: str, **architecture) -> ResidualMLP:
+    """A :class:`ResidualMLP` initialized from ``stream``'s seed, the global RNG untouched."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(stream_seed(seed, stream))
         return ResidualMLP(**architecture)
 
 
@@ -63,6 +82,7 @@ class TeacherStudentModule(pl.LightningModule):
         self.save_hyperparameters()
         self.student = seeded_residual_mlp(
             seed,
+            "student",
             width=width,
             expansion=expansion,
             depth=depth,
@@ -116,7 +136,8 @@ class TeacherStudentData(pl.LightningDataModule):
         shift: teacher's activation shift (unshifted by default).
         bias: teacher's linear biases.
         teacher_seed: teacher initialization seed.
-        data_seed: seed of the training stream (each DDP rank adds its rank).
+        data_seed: seed of the training stream and the held-out set (each DDP rank draws its
+            own training stream).
         batch_size: training batch size.
         heldout_size: size of the held-out set.
     """
@@ -138,6 +159,7 @@ class TeacherStudentData(pl.LightningDataModule):
         self.save_hyperparameters()
         self.teacher = seeded_residual_mlp(
             teacher_seed,
+            "teacher",
             width=width,
             expansion=expansion,
             depth=depth,
@@ -149,12 +171,17 @@ class TeacherStudentData(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank = self.trainer.global_rank if self.trainer is not None else 0
         stream = _TeacherStream(
-            self.teacher, self.hparams.width, self.hparams.batch_size, self.hparams.data_seed + rank
+            self.teacher,
+            self.hparams.width,
+            self.hparams.batch_size,
+            stream_seed(self.hparams.data_seed, "training data", rank),
         )
         return DataLoader(stream, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.hparams.data_seed + 10_000)
+        generator = torch.Generator().manual_seed(
+            stream_seed(self.hparams.data_seed, "held-out data")
+        )
         x = torch.randn(self.hparams.heldout_size, self.hparams.width, generator=generator)
         with torch.no_grad():
             y = self.teacher(x)
