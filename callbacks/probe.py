@@ -54,7 +54,10 @@ class Probe:
         every_n_steps: record at optimizer steps that are multiples of this.
     """
 
-    #: Name of the probe's group(s) in the run file; unique per recorder.
+    #: The probe's identity, unique per recorder: it names the probe in the run file's events
+    #: and probe settings and in checkpoint state. Its groups are whatever :meth:`series`
+    #: declares (often one group of this name; ``HiddenStateNorms``, named ``hidden``, writes
+    #: ``hidden_norms`` and ``activation_bias``).
     name: str = "probe"
 
     def __init__(self, every_n_steps: int = 1) -> None:
