@@ -5,7 +5,7 @@ import torch.distributed
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, GradientPlane
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.experiments.teacher_student import _TeacherStream
+from dynamics.experiments.teacher_student import _TeacherStream, stream_seed
 
 
 def test_two_process_ddp_writes_one_file_from_rank_zero(tmp_path, quiet_trainer):
@@ -33,10 +33,12 @@ def test_ddp_initial_gradient_is_the_average_over_ranks(tmp_path, quiet_trainer)
     )
     data = TeacherStudentData(**arch, batch_size=8)
     trainer.fit(TeacherStudentModule(**arch), data)
-    # rank r trains on the stream seeded data_seed + r; g0 is the mean of both ranks' gradients
+    # rank r trains on its own spawn of the data seed; g0 is the mean of both ranks' gradients
     gradients = []
     for rank in range(2):
-        stream = _TeacherStream(data.teacher, 8, 8, data.hparams.data_seed + rank)
+        stream = _TeacherStream(
+            data.teacher, 8, 8, stream_seed(data.hparams.data_seed, "training data", rank)
+        )
         module = TeacherStudentModule(**arch)
         loss = module.dynamics_loss(next(iter(stream)))
         grads = torch.autograd.grad(loss, list(module.parameters()))
