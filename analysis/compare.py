@@ -1,9 +1,11 @@
 """Side-by-side comparison of runs as one HTML page: the first run is the reference.
 
 The page holds a summary (final and best losses, crossover, λ1 ratio), the comparability
-checks, the overlaid loss and its smoothed difference with the crossover marked, λ1 and its
-ratio, every recorded series drawn as its view says (:func:`compared_view_figure`), the
-spectral densities side by side, the overshoot verdicts and the configs. The numbers come from
+checks with one verdict per pair, each run's setup (module class and init args, layout,
+optimizer, scheduler, precision, data, probes), the overlaid loss and its smoothed difference
+with the crossover marked, λ1 and its ratio, every recorded series drawn as its view says
+(:func:`compared_view_figure`, each side-by-side panel titled by the run whose data it shows),
+the spectral densities side by side, the overshoot verdicts and the configs. The numbers come from
 :mod:`dynamics.analysis.comparison`; the page from :mod:`dynamics.analysis.page`.
 """
 
@@ -19,8 +21,12 @@ import plotly.graph_objects as go
 
 from dynamics import __version__
 from dynamics.analysis.comparison import (
+    DIFFERS,
     IGNORED_CONFIG_KEYS,
+    NOT_RECORDED,
+    SAME,
     SMOOTH_FRACTION,
+    Check,
     Crossover,
     align,
     comparability,
@@ -31,6 +37,7 @@ from dynamics.analysis.comparison import (
     loss_crossover,
     smooth,
     top_eigenvalue,
+    verdict,
 )
 from dynamics.analysis.figures import (
     Curve,
@@ -43,6 +50,7 @@ from dynamics.analysis.output import check_output
 from dynamics.analysis.overshoot import OvershootReport
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, slug, write_page
 from dynamics.analysis.report import overshoot_html
+from dynamics.analysis.run_setup import setup_rows
 from dynamics.analysis.run_views import (
     density_rows,
     drawn_groups,
@@ -92,14 +100,17 @@ def write_comparison(
             raise DynamicsError(f"{run.path}: no training or held-out loss series to compare")
     labels = _labels(runs)
     overshoots = [run_overshoot(run) for run in runs]
+    pairs = _checks(runs, labels)
     figures = _figures(runs, labels)
     body = [
         "<h1>dynamics comparison</h1>",
         f"<p class='meta'>reference: {html.escape(labels[0])} · dynamics {__version__}</p>",
         "<h2>Summary</h2>",
-        _summary_html(runs, labels, overshoots),
+        _summary_html(runs, labels, overshoots, _warnings(pairs)),
         "<h2>Comparability</h2>",
-        _comparability_html(runs, labels),
+        _comparability_html(pairs),
+        "<h2>Setup</h2>",
+        _setup_html(runs, labels),
         "<h2>Overlaid</h2>",
     ]
     body += [figure_html(figure, i) for i, (_, figure) in enumerate(figures)]
@@ -112,7 +123,10 @@ def write_comparison(
 
 
 def _summary_html(
-    runs: list[Run], labels: list[str], overshoots: list[OvershootReport | None]
+    runs: list[Run],
+    labels: list[str],
+    overshoots: list[OvershootReport | None],
+    warnings: list[tuple[str, str]],
 ) -> str:
     rows = [
         (
@@ -155,7 +169,6 @@ def _summary_html(
         "λ1 ratio, median",
         "λ1 ratio, last",
     )
-    warnings = _warnings(runs, labels)
     note = (
         f"<p class='note'>Losses smoothed by a centred moving average over 2h+1 records, "
         f"h = round({SMOOTH_FRACTION} × records). λ1 ratio: the run's top Hessian eigenvalue "
@@ -167,37 +180,89 @@ def _summary_html(
     return warning_table + html_table(header, rows) + html_table(pair_header, pairs) + note
 
 
-def _comparability_html(runs: list[Run], labels: list[str]) -> str:
-    rows, classes = [], []
-    for run, label in zip(runs[1:], labels[1:]):
-        for check in comparability(runs[0], run):
-            status = "differs" if check.differs else "same"
-            rows.append((f"{label} vs {labels[0]}", check.name, status, check.details))
-            classes.append("warning" if check.differs else "")
-    return html_table(("pair", "check", "status", "details"), rows, classes)
-
-
-def _warnings(runs: list[Run], labels: list[str]) -> list[tuple[str, str]]:
+def _checks(runs: list[Run], labels: list[str]) -> list[tuple[str, list[Check]]]:
+    """``(pair, its comparability checks)`` of every run against the reference."""
     return [
-        (f"⚠ {check.name} differs: {label} vs {labels[0]}", check.details)
+        (f"{label} vs {labels[0]}", comparability(runs[0], run, (labels[0], label)))
         for run, label in zip(runs[1:], labels[1:])
-        for check in comparability(runs[0], run)
+    ]
+
+
+def _comparability_html(pairs: list[tuple[str, list[Check]]]) -> str:
+    verdicts = html_table(
+        ("pair", "verdict"),
+        [(pair, verdict(checks)) for pair, checks in pairs],
+        [_STATUS_CLASS.get(_worst(checks), "") for _, checks in pairs],
+    )
+    rows, classes = [], []
+    for pair, checks in pairs:
+        for check in checks:
+            rows.append((pair, check.name, check.status, check.details))
+            classes.append(_STATUS_CLASS.get(check.status, ""))
+    note = (
+        "<p class='note'>Each check compares what both runs recorded at their first training "
+        "batch. <b>not recorded</b>: one run or both did not record it, so nothing is claimed; "
+        "<b>variant</b>: they differ only in keys that name the variant "
+        f"({html.escape(', '.join(sorted(IGNORED_CONFIG_KEYS)))}). Equal data descriptions "
+        "do not mean equal samples.</p>"
+    )
+    return verdicts + html_table(("pair", "check", "status", "details"), rows, classes) + note
+
+
+def _warnings(pairs: list[tuple[str, list[Check]]]) -> list[tuple[str, str]]:
+    return [
+        (f"⚠ {check.name} differs: {pair}", check.details)
+        for pair, checks in pairs
+        for check in checks
         if check.differs
     ]
 
 
+def _worst(checks: list[Check]) -> str:
+    statuses = {check.status for check in checks}
+    return next((s for s in (DIFFERS, NOT_RECORDED) if s in statuses), SAME)
+
+
+def _setup_html(runs: list[Run], labels: list[str]) -> str:
+    """What each run was (module class and init args, optimizer, data, ...), side by side."""
+    columns = [setup_rows(run) for run in runs]
+    rows = [(field, *(col[i][1] for col in columns)) for i, (field, _) in enumerate(columns[0])]
+    classes = ["flag" if len(set(row[1:])) > 1 else "" for row in rows]
+    return html_table(("field", *labels), rows, classes)
+
+
 def _config_html(runs: list[Run], labels: list[str]) -> str:
-    differing = differing_keys([run.config for run in runs])
+    missing = [label for run, label in zip(runs, labels) if not run.config]
+    if len(missing) == len(runs):
+        return (
+            "<p>No run recorded a config (the recorder's <code>config=</code>); see Setup and "
+            "Comparability for what they recorded about themselves.</p>"
+        )
+    parts = []
+    if missing:
+        parts.append(
+            f"<p class='note'>No config recorded by: {html.escape(', '.join(missing))}.</p>"
+        )
+    recorded = [(run, label) for run, label in zip(runs, labels) if run.config]
+    differing = differing_keys([run.config for run, _ in recorded])
     if not differing:
-        table = "<p>The configs are identical.</p>"
+        parts.append("<p>The recorded configs agree key by key.</p>")
     else:
         rows = [(key, *values) for key, values in differing.items()]
         classes = [
             "" if key.rsplit(".", 1)[-1] in IGNORED_CONFIG_KEYS else "warning" for key in differing
         ]
-        table = "<p>Keys that differ:</p>" + html_table(("key", *labels), rows, classes)
-    reference = json.dumps(runs[0].config, indent=2, sort_keys=True, default=str)
-    return table + f"<h4>Config of {html.escape(labels[0])}</h4><pre>{html.escape(reference)}</pre>"
+        header = ("key", *(label for _, label in recorded))
+        parts.append("<p>Keys that differ:</p>" + html_table(header, rows, classes))
+    first, first_label = recorded[0]
+    reference = json.dumps(first.config, indent=2, sort_keys=True, default=str)
+    parts.append(
+        f"<h4>Config of {html.escape(first_label)}</h4><pre>{html.escape(reference)}</pre>"
+    )
+    return "".join(parts)
+
+
+_STATUS_CLASS = {DIFFERS: "warning", NOT_RECORDED: "flag"}
 
 
 def _figures(runs: list[Run], labels: list[str]) -> list[tuple[str, go.Figure]]:

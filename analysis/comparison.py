@@ -9,9 +9,12 @@ Losses are compared after a centred moving average over ``2h + 1`` records with
 ``h = round(SMOOTH_FRACTION * n)`` (no smoothing for short series such as a handful of held-out
 evaluations), so that step noise in the training loss does not produce spurious crossovers.
 
-A comparison is only meaningful when the runs differ in the named variant alone: θ0 (its
-recorded hash), the data section of the config and every other config key except
-:data:`IGNORED_CONFIG_KEYS` are checked (:func:`comparability`).
+A comparison is only meaningful when the runs differ in the named variant alone. What each run
+recorded about itself — parameter layout, θ0's hash, module class, init args and submodules,
+optimizers, schedulers, precision, data, probes and config — is checked pair by pair
+(:func:`comparability`) and summed up in one line (:func:`verdict`): "not comparable" when the
+layouts differ, "different init", "differs in: …", and never agreement on what a run did not
+record. Keys named in :data:`IGNORED_CONFIG_KEYS` name the variant.
 """
 
 from __future__ import annotations
@@ -24,12 +27,17 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from dynamics.analysis.run_setup import data_text
 from dynamics.analysis.smoothing import moving_average
 from dynamics.store import Metric, Run, names
 
 __all__ = [
+    "DIFFERS",
     "IGNORED_CONFIG_KEYS",
+    "NOT_RECORDED",
+    "SAME",
     "SMOOTH_FRACTION",
+    "VARIANT",
     "Check",
     "ComparedLoss",
     "Crossover",
@@ -45,6 +53,7 @@ __all__ = [
     "loss_crossover",
     "smooth",
     "top_eigenvalue",
+    "verdict",
 ]
 
 #: Smoothing half-width as a fraction of a loss series' records: about 4% of the run per window,
@@ -52,6 +61,8 @@ __all__ = [
 SMOOTH_FRACTION = 0.02
 #: Config keys (at any depth) that name the variant rather than change the experiment.
 IGNORED_CONFIG_KEYS = frozenset({"variant", "shift", "run_name"})
+#: The statuses of a :class:`Check`.
+SAME, DIFFERS, VARIANT, NOT_RECORDED = "same", "differs", "variant", "not recorded"
 
 
 @dataclass(frozen=True)
@@ -97,14 +108,21 @@ class Check:
     """One comparability check of two runs.
 
     Attributes:
-        name: what is compared (``"θ0"``, ``"data"``, ``"config"``).
-        differs: whether the runs differ in it (or it cannot be told).
-        details: what differs, in a line.
+        name: what is compared (``"parameter layout"``, ``"θ0"``, ``"optimizer"``, ...).
+        status: :data:`SAME`, :data:`DIFFERS`, :data:`VARIANT` (differs only in keys that
+            name the variant, :data:`IGNORED_CONFIG_KEYS`) or :data:`NOT_RECORDED` (one run or
+            both did not record it: nothing can be said).
+        details: what differs, or what agrees, in a line.
     """
 
     name: str
-    differs: bool
+    status: str
     details: str
+
+    @property
+    def differs(self) -> bool:
+        """Whether the runs differ in it beyond the variant."""
+        return self.status == DIFFERS
 
 
 def smooth(values: ArrayLike, fraction: float = SMOOTH_FRACTION) -> np.ndarray:
@@ -244,17 +262,19 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return flat
 
 
-def config_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+def config_differences(
+    a: Mapping[str, Any], b: Mapping[str, Any], keep_variant: bool = False
+) -> dict[str, tuple[Any, Any]]:
     """Dotted config keys whose values differ, ``{key: (value in a, value in b)}``.
 
-    Keys in :data:`IGNORED_CONFIG_KEYS` (at any depth) are left out; a key present in one
-    config only differs, with None for the missing side.
+    Keys in :data:`IGNORED_CONFIG_KEYS` (at any depth) are left out unless ``keep_variant``;
+    a key present in one config only differs, with None for the missing side.
     """
     flat_a, flat_b = flatten_config(a), flatten_config(b)
     return {
         key: (flat_a.get(key), flat_b.get(key))
         for key in sorted(flat_a.keys() | flat_b.keys())
-        if key.rsplit(".", 1)[-1] not in IGNORED_CONFIG_KEYS
+        if (keep_variant or key.rsplit(".", 1)[-1] not in IGNORED_CONFIG_KEYS)
         and (key not in flat_a or key not in flat_b or flat_a[key] != flat_b[key])
     }
 
@@ -267,30 +287,283 @@ def differing_keys(configs: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]
     return {key: texts for key, texts in values.items() if len(set(texts)) > 1}
 
 
-def comparability(reference: Run, other: Run) -> list[Check]:
-    """Whether two runs differ in θ0, in the data section of the config, or in the rest."""
-    hashes = reference.theta0_sha256, other.theta0_sha256
-    if None in hashes:
-        where = "both runs" if hashes == (None, None) else "one run"
-        theta = Check("θ0", True, f"θ0 hash not recorded in {where}")
-    else:
-        theta = Check(
-            "θ0", not reference.shares_theta0(other), f"{hashes[0][:12]}… vs {hashes[1][:12]}…"
-        )
-    differences = config_differences(reference.config, other.config)
-    data = {k: v for k, v in differences.items() if k.split(".", 1)[0] == "data"}
-    rest = {k: v for k, v in differences.items() if k not in data}
-    return [
-        theta,
-        Check("data", bool(data), _describe(data) or "same data config"),
-        Check("config", bool(rest), _describe(rest) or "no difference beyond the variant"),
+def comparability(
+    reference: Run, other: Run, labels: tuple[str, str] = ("the reference", "the other run")
+) -> list[Check]:
+    """What two runs share and where they differ, check by check, from what each recorded.
+
+    The checks: the parameter layout (names and shapes), θ0's hash, the module's class, its
+    init args (saved hyperparameters), its submodules (class and settings of each), the
+    optimizers and schedulers (class and hyperparameters), the precision, the data (the
+    config's ``data`` section and the recorded description), the probes' settings and the rest
+    of the config. Something one run did not record is ``"not recorded"``, never the same.
+
+    Args:
+        reference: the run compared against.
+        other: the other run.
+        labels: the two runs' names, as the details name a run that lacks a record.
+    """
+    a, b = reference.attrs, other.attrs
+    layout = _layout_check(a.get(names.ATTR_LAYOUT), b.get(names.ATTR_LAYOUT), labels)
+    module_a, module_b = (x.get(names.ATTR_MODULE) or {} for x in (a, b))
+    args = module_a.get("init_args") or None, module_b.get("init_args") or None
+    # A module that saves no hyperparameters records {}: nothing to compare.
+    init_args = _check("init args", *args, labels, absent="no saved hyperparameters")
+    variant = [
+        key.rsplit(".", 1)[-1]
+        for key in (_flat_differences(*args) if None not in args else {})
+        if key.rsplit(".", 1)[-1] in IGNORED_CONFIG_KEYS
     ]
+    differences = config_differences(reference.config, other.config, keep_variant=True)
+    rest = {k: v for k, v in differences.items() if k.split(".", 1)[0] != "data"}
+    return [
+        layout,
+        _theta0_check(reference.theta0_sha256, other.theta0_sha256, labels),
+        _check("module", module_a.get("class_path"), module_b.get("class_path"), labels),
+        init_args,
+        _submodules_check(
+            a.get(names.ATTR_SUBMODULES), b.get(names.ATTR_SUBMODULES), labels, variant
+        ),
+        _check("optimizer", a.get(names.ATTR_OPTIMIZERS), b.get(names.ATTR_OPTIMIZERS), labels),
+        _check("scheduler", a.get(names.ATTR_SCHEDULERS), b.get(names.ATTR_SCHEDULERS), labels),
+        _check("precision", a.get(names.ATTR_PRECISION), b.get(names.ATTR_PRECISION), labels),
+        _data_check(
+            a.get(names.ATTR_DATA),
+            b.get(names.ATTR_DATA),
+            reference.config.get("data"),
+            other.config.get("data"),
+            labels,
+        ),
+        _check(
+            "probes", _by_name(a.get(names.ATTR_PROBES)), _by_name(b.get(names.ATTR_PROBES)), labels
+        ),
+        _config_check(reference.config, other.config, rest, labels),
+    ]
+
+
+def verdict(checks: Sequence[Check]) -> str:
+    """One line saying whether two runs can be compared and how they differ.
+
+    ``"not comparable: …"`` when the parameter layouts differ, ``"different init: …"`` when
+    θ0 differs, ``"differs in: …"`` naming every check that differs, else what is left; the
+    checks a run did not record follow, so a missing record never reads as agreement.
+    """
+    by_name = {check.name: check for check in checks}
+    differing = [c for c in checks if c.status == DIFFERS]
+    unknown = [c.name for c in checks if c.status == NOT_RECORDED]
+    variant = [c for c in checks if c.status == VARIANT]
+    if by_name.get("parameter layout", _UNSEEN).status == DIFFERS:
+        text = "not comparable: the parameter layouts differ"
+        shown = [c for c in differing if c.name not in ("parameter layout", "θ0")]
+    elif by_name.get("θ0", _UNSEEN).status == DIFFERS:
+        text = "different init (θ0 differs)"
+        shown = [c for c in differing if c.name != "θ0"]
+    elif differing:
+        text, shown = "", differing
+    elif variant:
+        text = "differs only in the variant: " + "; ".join(c.details for c in variant)
+        shown = []
+    elif unknown:
+        text, shown = "no difference in what both runs recorded", []
+    else:
+        text, shown = "no difference in anything recorded", []
+    if shown:
+        listed = "; ".join(f"{c.name} ({c.details})" for c in shown)
+        text = f"{text}; also differs in: {listed}" if text else f"differs in: {listed}"
+    if unknown:
+        text += f"; not recorded: {', '.join(unknown)}"
+    return text
+
+
+def _check(
+    name: str, a: Any, b: Any, labels: tuple[str, str], absent: str = "not recorded"
+) -> Check:
+    """Two recorded values: same, differing (what differs, key by key), or not recorded."""
+    if a is None or b is None:
+        return Check(name, NOT_RECORDED, _missing(a, b, labels, absent))
+    if a == b:
+        return Check(name, SAME, _agreement(a))
+    structured = all(isinstance(x, (dict, list)) for x in (a, b))
+    differences = _flat_differences(a, b) if structured else {}
+    if differences and all(k.rsplit(".", 1)[-1] in IGNORED_CONFIG_KEYS for k in differences):
+        return Check(name, VARIANT, _describe(differences))
+    return Check(name, DIFFERS, _describe(differences) or f"{_json(a)} vs {_json(b)}")
+
+
+def _submodules_check(a: Any, b: Any, labels: tuple[str, str], variant: list[str]) -> Check:
+    """Each submodule's class and settings (``extra_repr``), matched by name.
+
+    A difference only in the settings of modules whose settings name a variant key that the
+    init args differ in (``shift=...`` when the runs differ in ``shift``) is the variant.
+    """
+    name = "submodules"
+    if a is None or b is None:
+        return Check(name, NOT_RECORDED, _missing(a, b, labels, "not recorded"))
+    if a == b:
+        return Check(name, SAME, f"{len(a)} submodules agree in class and settings")
+    keys = sorted(a.keys() | b.keys(), key=_natural)
+    changed = {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
+
+    def explained(pair: tuple[Any, Any]) -> bool:
+        x, y = pair
+        return (
+            x is not None
+            and y is not None
+            and x[0] == y[0]
+            and any(f"{key}=" in x[1] and f"{key}=" in y[1] for key in variant)
+        )
+
+    shown = {k: (_module_text(x, y), _module_text(y, x)) for k, (x, y) in changed.items()}
+    details = "; ".join(f"{k}: {x} vs {y}" for k, (x, y) in list(shown.items())[:4])
+    if len(shown) > 4:
+        details += f"; and {len(shown) - 4} more"
+    status = VARIANT if all(map(explained, changed.values())) else DIFFERS
+    return Check(name, status, details)
+
+
+def _module_text(mine: Any, theirs: Any) -> str:
+    """``Class(settings)``, with the class's full path when the short names would agree."""
+    if mine is None:
+        return "absent"
+    path, settings = mine
+    short = path.rsplit(".", 1)[-1]
+    if theirs is not None and theirs[0] != path and theirs[0].rsplit(".", 1)[-1] == short:
+        short = path
+    return f"{short}({settings})"
+
+
+def _layout_check(a: Any, b: Any, labels: tuple[str, str]) -> Check:
+    name = "parameter layout"
+    if not a or not b:
+        return Check(name, NOT_RECORDED, _missing(a or None, b or None, labels, "not recorded"))
+    shapes = [dict(zip(x["names"], map(tuple, x["shapes"]))) for x in (a, b)]
+    sizes = [sum(int(np.prod(s)) for s in x.values()) for x in shapes]
+    counts = f"{len(shapes[0])} tensors, {sizes[0]:,} parameters"
+    if list(shapes[0].items()) == list(shapes[1].items()):
+        return Check(name, SAME, counts)
+    first = next(
+        (
+            f"{k}: {shapes[0].get(k, 'absent')} vs {shapes[1].get(k, 'absent')}"
+            for k in [*shapes[0], *shapes[1]]
+            if shapes[0].get(k) != shapes[1].get(k)
+        ),
+        "same tensors in another order",
+    )
+    other = f"{len(shapes[1])} tensors, {sizes[1]:,} parameters"
+    return Check(name, DIFFERS, f"{counts} vs {other}; first difference {first}")
+
+
+def _theta0_check(a: str | None, b: str | None, labels: tuple[str, str]) -> Check:
+    if a is None or b is None:
+        return Check("θ0", NOT_RECORDED, _missing(a, b, labels, "θ0 hash not recorded"))
+    if a == b:
+        return Check("θ0", SAME, f"sha256 {a[:12]}… in both")
+    return Check("θ0", DIFFERS, f"sha256 {a[:12]}… vs {b[:12]}…")
+
+
+def _data_check(a: Any, b: Any, config_a: Any, config_b: Any, labels: tuple[str, str]) -> Check:
+    """The data: the recorded description (DataModule, loaders) and the config's ``data``
+    section. Agreement is agreement of descriptions: the samples are never compared."""
+    described = _check("data", a or None, b or None, labels, absent="no data description")
+    config = None
+    if config_a and config_b:
+        config = config_differences({"data": config_a}, {"data": config_b})
+    if config:
+        details = _describe(config)
+        if described.status == DIFFERS:
+            details += "; " + described.details
+        return Check("data", DIFFERS, details)
+    if described.status == DIFFERS:
+        return described
+    agreed = ["the configs' data sections agree"] if config is not None else []
+    if described.status == SAME:
+        agreed.append(f"same description: {data_text(a)}")
+    elif agreed:
+        agreed.append(described.details)
+    if not agreed:
+        return described
+    return Check("data", SAME, "; ".join(agreed) + "; samples not compared")
+
+
+def _config_check(
+    a: Mapping[str, Any],
+    b: Mapping[str, Any],
+    differences: dict[str, tuple[Any, Any]],
+    labels: tuple[str, str],
+) -> Check:
+    """The recorder's ``config=`` outside its data section; an empty one was not given."""
+    if not a or not b:
+        return Check("config", NOT_RECORDED, _missing(a or None, b or None, labels, "no config="))
+    variant = {k: v for k, v in differences.items() if k.rsplit(".", 1)[-1] in IGNORED_CONFIG_KEYS}
+    if len(variant) < len(differences):
+        rest = {k: v for k, v in differences.items() if k not in variant}
+        return Check("config", DIFFERS, _describe(rest))
+    if variant:
+        return Check("config", VARIANT, _describe(variant))
+    return Check("config", SAME, f"{len(flatten_config(a))} keys agree")
+
+
+def _missing(a: Any, b: Any, labels: tuple[str, str], what: str) -> str:
+    if a is None and b is None:
+        return f"{what} in either run"
+    return f"{what} in {labels[0] if a is None else labels[1]}"
+
+
+def _by_name(probes: Any) -> dict[str, Any] | None:
+    """The probes' records keyed by probe name, so they are matched whatever their order."""
+    if not isinstance(probes, list):
+        return None
+    return {str(p.get("name")): p for p in probes if isinstance(p, dict)}
+
+
+def _flat_differences(a: Any, b: Any) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (a's, b's)}`` where two recorded values differ; lists are indexed by
+    position (``param_groups.0.lr``), except that one-element lists on both sides are not."""
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 1:
+        a, b = a[0], b[0]
+    flat_a, flat_b = _flat(a), _flat(b)
+    return {
+        key: (flat_a.get(key), flat_b.get(key))
+        for key in sorted(flat_a.keys() | flat_b.keys(), key=_natural)
+        if key not in flat_a or key not in flat_b or flat_a[key] != flat_b[key]
+    }
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, list) and value and all(isinstance(v, (dict, list)) for v in value):
+        value = {str(i): v for i, v in enumerate(value)}
+    if isinstance(value, Mapping) and value:
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(_flat(item, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip(".") or "value": value}
+
+
+def _natural(key: str) -> list[tuple[int, int | str]]:
+    """Sort key of a dotted key: numeric parts in numeric order (``blocks.2`` < ``blocks.10``)."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in key.split(".")]
+
+
+def _agreement(value: Any) -> str:
+    """What two runs that agree recorded, in a short line."""
+    if value == []:
+        return "none in either run"
+    if isinstance(value, list) and all(isinstance(v, dict) and "class_path" in v for v in value):
+        classes = ", ".join(v["class_path"].rsplit(".", 1)[-1] for v in value)
+        return f"{classes}; every recorded hyperparameter agrees"
+    if isinstance(value, (dict, list)):
+        return f"all {len(_flat(value))} recorded values agree"
+    return str(value)
 
 
 def _describe(differences: dict[str, tuple[Any, Any]]) -> str:
     shown = [f"{k}: {_json(a)} vs {_json(b)}" for k, (a, b) in list(differences.items())[:6]]
     more = len(differences) - len(shown)
     return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+_UNSEEN = Check("", NOT_RECORDED, "")  # a check absent from a comparison
 
 
 def _json(value: Any) -> str:

@@ -500,7 +500,7 @@ def density_figure(
     floor = 1e-6 * max(np.nanmax(h.z, initial=0.0) for h in heats.values())
     panels = tuple(
         _Panel(
-            "" if len(runs) == 1 else label,
+            "" if len(runs) == 1 else _whose(label),
             heat=_Heat(h.step, h.y, np.log10(np.maximum(h.z, floor)), h.original),
         )
         for label, h in heats.items()
@@ -606,7 +606,7 @@ def _view_block(
     elif kind == "lines":
         panels = tuple(
             _Panel(
-                label,
+                _whose(label),
                 tuple(
                     curve(column, one, v[:, j], color, f"column {column}")
                     for j, (column, color) in enumerate(zip(cols, _layer_colors(len(cols))))
@@ -617,13 +617,20 @@ def _view_block(
         )
     else:  # heatmap
         panels = tuple(
-            _Panel(label, heat=_heat(one.step, cols, _log10(v) if view.log_y else v, budget))
+            _Panel(
+                _whose(label), heat=_heat(one.step, cols, _log10(v) if view.log_y else v, budget)
+            )
             for label, _, one, v, cols in tables
         )
     axis = f"{view.y_label} [{view.units}]".strip() if view.units else view.y_label
     if kind == "heatmap":
         return _Block(view.title, "", panels, colour_title=f"log10 {axis}" if view.log_y else axis)
     return _Block(view.title, axis, panels, log_y=view.log_y)
+
+
+def _whose(label: str) -> str:
+    """The title of a panel drawing one run's data side by side with others: whose it is."""
+    return f"run {label}" if label else ""
 
 
 def _table(one: SeriesView) -> tuple[np.ndarray, list[str]]:

@@ -3,8 +3,10 @@
 A section holds the run's loss, every recorded series drawn as its view says (one figure per
 group, :mod:`dynamics.analysis.run_views`), the dedicated views — overshoot verdicts of the
 hidden-state norms against the training loss, the Hessian's spectral density, the path on the
-plane of initial gradients — and the run's config and metadata. Standard groups a run did not
-record are listed, not drawn. The page comes from the kit of :mod:`dynamics.analysis.page`.
+plane of initial gradients — and what the run was (module class and init args, layout,
+optimizer, scheduler, precision, data, probes), its config and metadata. Standard groups a
+run did not record are listed, not drawn. The page comes from the kit of
+:mod:`dynamics.analysis.page`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dynamics.analysis.figures import (
 from dynamics.analysis.output import check_output
 from dynamics.analysis.overshoot import OvershootReport
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, slug, write_page
+from dynamics.analysis.run_setup import setup_rows
 from dynamics.analysis.run_views import (
     STANDARD_GROUPS,
     density_rows,
@@ -155,7 +158,11 @@ def _run_section(
 ) -> str:
     missing = [g for g in STANDARD_GROUPS if run.recorded(g) is None]
     parts = [f"<section id='run-{index}'><h2>{html.escape(run.name)}</h2>"]
-    parts.append(f"<p class='meta'>{html.escape(str(run.path))}</p>")
+    setup = dict(setup_rows(run))
+    parts.append(
+        f"<p class='meta'>{html.escape(str(run.path))} · module {html.escape(setup['module'])}"
+        f" · init args {html.escape(setup['init args'])}</p>"
+    )
     if missing:
         parts.append(f"<p class='note'>Not recorded: {html.escape(', '.join(missing))}.</p>")
     parts.append("<h3>Overshoot</h3>" + overshoot_html(overshoot))
@@ -225,22 +232,11 @@ def _plane_figures(run: Run) -> list[tuple[str, go.Figure]]:
 
 def _metadata_html(run: Run) -> str:
     attrs = run.attrs
-    module = attrs.get(names.ATTR_MODULE) or {}
-    probes = attrs.get(names.ATTR_PROBES) or []
     rows = [
         ("file", str(run.path)),
         ("run name", run.name),
         ("schema version", attrs.get("schema_version")),
-        ("θ0 sha256", run.theta0_sha256),
-        ("module", module.get("class_path") if isinstance(module, dict) else module),
-        (
-            "probes",
-            ", ".join(
-                f"{p.get('class')} (every {p.get('every_n_steps')})"
-                for p in probes
-                if isinstance(p, dict)
-            ),
-        ),
+        *setup_rows(run),
         ("versions", json.dumps(attrs.get(names.ATTR_VERSIONS), sort_keys=True)),
     ]
     groups = []

@@ -26,6 +26,13 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning.callbacks import Callback
 
 import dynamics
+from dynamics.callbacks.fit_description import (
+    class_path,
+    data_description,
+    optimizer_settings,
+    scheduler_settings,
+    submodules,
+)
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
@@ -47,6 +54,13 @@ class RecorderBase:
     ``Trainer.fit(ckpt_path=...)`` continue the same file: rows recorded after the checkpoint's
     step are dropped first, so a resumed run's series equal an uninterrupted run's. Probes run
     on every rank (some need collectives); only rank zero writes.
+
+    The file also keeps what the fit is, written with it at the first training batch: the
+    module's class, its saved hyperparameters (init args) and its submodules, the parameter
+    layout and θ0's hash, each optimizer's and scheduler's class and hyperparameters, the
+    precision, the training data's description (DataModule class and hyperparameters, each
+    loader's dataset class, length, batch size and sampler) and the probes' settings, so that
+    ``dynamics compare`` can tell what two runs of any project share.
 
     A step's rows describe the parameters θ_step its forward used: probes are armed before the
     first micro-batch of a due step, see every micro-batch's outputs, and are collected after
@@ -264,7 +278,7 @@ class RecorderBase:
                 self.path,
                 self._series,
                 self._vectors,
-                self._attrs(pl_module, settings),
+                self._attrs(trainer, pl_module, settings),
                 self.overwrite,
                 **writer_options,
             )
@@ -402,7 +416,9 @@ class RecorderBase:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
-    def _attrs(self, pl_module: pl.LightningModule, settings: dict[str, Any]) -> dict[str, Any]:
+    def _attrs(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, settings: dict[str, Any]
+    ) -> dict[str, Any]:
         layout = ParameterLayout.of(pl_module)
         hparams = dict(getattr(pl_module, "hparams", {}) or {})
         return {
@@ -411,9 +427,14 @@ class RecorderBase:
             names.ATTR_LAYOUT: layout.to_dict(),
             names.ATTR_THETA0_SHA256: vector_hash(parameter_vector(pl_module, layout)),
             names.ATTR_MODULE: {
-                "class_path": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
+                "class_path": class_path(pl_module),
                 "init_args": json.loads(json.dumps(hparams, default=str)),
             },
+            names.ATTR_SUBMODULES: submodules(pl_module),
+            names.ATTR_OPTIMIZERS: optimizer_settings(trainer),
+            names.ATTR_SCHEDULERS: scheduler_settings(trainer),
+            names.ATTR_PRECISION: str(trainer.precision),
+            names.ATTR_DATA: data_description(trainer),
             names.ATTR_PROBES: [
                 {
                     "class": type(p).__name__,

@@ -12,7 +12,13 @@ ATTR_VERSIONS = "versions"
 ATTR_LAYOUT = "layout"
 ATTR_THETA0_SHA256 = "theta0_sha256"
 ATTR_MODULE = "module"  # {"class_path": ..., "init_args": {...}}
-ATTR_PROBES = "probes"  # [{"class", "name", "every_n_steps"}, ...]
+ATTR_PROBES = "probes"  # [{"class", "name", "every_n_steps", "settings"}, ...]
+# What the fit was, recorded at its first batch so that runs of any project can be compared.
+ATTR_SUBMODULES = "submodules"  # {module name: [class path, extra_repr()]}
+ATTR_OPTIMIZERS = "optimizers"  # [{"class_path", "param_groups": [{hyperparameter: value}]}]
+ATTR_SCHEDULERS = "schedulers"  # [{"class_path", "interval", "frequency", "state": {...}}]
+ATTR_PRECISION = "precision"  # the Trainer's, e.g. "32-true", "bf16-mixed"
+ATTR_DATA = "data"  # {"datamodule": {"class_path", "init_args"}, "train": [{"dataset", ...}]}
 
 # Per-dataset attributes.
 ATTR_COLUMNS = "columns"  # names of a series' last axis

@@ -1,0 +1,120 @@
+"""What a run was, in words: module class and init args, layout, optimizer, scheduler,
+precision, data and probes, as the recorder stored them at the fit's first batch. The report
+and comparison pages show these lines; a field a run did not record says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from dynamics.store import Run, names
+
+__all__ = ["NOT_RECORDED_TEXT", "data_text", "setup_rows"]
+
+#: What a field a run did not record reads as.
+NOT_RECORDED_TEXT = "not recorded"
+
+
+def setup_rows(run: Run) -> list[tuple[str, str]]:
+    """``(field, text)`` for every part of the fit's setup, in the order pages show them."""
+    attrs = run.attrs
+    module = attrs.get(names.ATTR_MODULE) or {}
+    init_args = module.get("init_args")
+    layout = attrs.get(names.ATTR_LAYOUT)
+    submodules = attrs.get(names.ATTR_SUBMODULES)
+    optimizers = attrs.get(names.ATTR_OPTIMIZERS)
+    schedulers = attrs.get(names.ATTR_SCHEDULERS)
+    data = attrs.get(names.ATTR_DATA)
+    probes = attrs.get(names.ATTR_PROBES)
+    return [
+        ("module", module.get("class_path") or NOT_RECORDED_TEXT),
+        (
+            "init args",
+            _json(init_args) if init_args else f"{NOT_RECORDED_TEXT} (no saved hyperparameters)",
+        ),
+        ("parameter layout", _layout_text(layout) if layout else NOT_RECORDED_TEXT),
+        (
+            "submodules",
+            f"{len(submodules)} (class and settings of each recorded)"
+            if submodules is not None
+            else NOT_RECORDED_TEXT,
+        ),
+        ("θ0 sha256", run.theta0_sha256 or NOT_RECORDED_TEXT),
+        (
+            "optimizer",
+            "; ".join(map(_optimizer_text, optimizers)) or "none"
+            if optimizers is not None
+            else NOT_RECORDED_TEXT,
+        ),
+        (
+            "scheduler",
+            "; ".join(map(_scheduler_text, schedulers)) or "none"
+            if schedulers is not None
+            else NOT_RECORDED_TEXT,
+        ),
+        ("precision", str(attrs.get(names.ATTR_PRECISION) or NOT_RECORDED_TEXT)),
+        ("data", data_text(data) if data else NOT_RECORDED_TEXT),
+        (
+            "probes",
+            ", ".join(
+                f"{p.get('class')} (every {p.get('every_n_steps')})"
+                for p in probes
+                if isinstance(p, dict)
+            )
+            if probes
+            else NOT_RECORDED_TEXT,
+        ),
+    ]
+
+
+def data_text(description: Mapping[str, Any]) -> str:
+    """A recorded data description in words: the DataModule's class and hyperparameters, and
+    each training loader's dataset class, length, batch size and sampler."""
+    parts = []
+    datamodule = description.get("datamodule")
+    if datamodule:
+        args = datamodule.get("init_args")
+        parts.append(_short(datamodule.get("class_path")) + (f" {_json(args)}" if args else ""))
+    for loader in description.get("train", []):
+        if "dataset" not in loader:
+            parts.append(_short(loader.get("iterable")))
+            continue
+        length = loader.get("length")
+        parts.append(
+            f"{_short(loader['dataset'])}"
+            + (f" of {length}" if length is not None else " (no length)")
+            + f", batch {loader.get('batch_size')}, {_short(loader.get('sampler'))}"
+            + (", last batch dropped" if loader.get("drop_last") else "")
+        )
+    return "; ".join(parts)
+
+
+def _layout_text(layout: Mapping[str, Any]) -> str:
+    size = sum(int(np.prod(shape)) for shape in layout["shapes"])
+    return f"{len(layout['names'])} tensors, {size:,} parameters"
+
+
+def _optimizer_text(optimizer: Mapping[str, Any]) -> str:
+    groups = [
+        ", ".join(f"{k}={_json(v)}" for k, v in sorted(group.items()) if v is not None)
+        for group in optimizer.get("param_groups", [])
+    ]
+    return _short(optimizer.get("class_path")) + "".join(f"({g})" for g in groups)
+
+
+def _scheduler_text(scheduler: Mapping[str, Any]) -> str:
+    state = ", ".join(f"{k}={_json(v)}" for k, v in sorted(scheduler.get("state", {}).items()))
+    every = f"every {scheduler.get('frequency')} {scheduler.get('interval')}(s)"
+    return f"{_short(scheduler.get('class_path'))}({state}) {every}"
+
+
+def _short(path: Any) -> str:
+    return str(path).rsplit(".", 1)[-1]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)

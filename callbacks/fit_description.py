@@ -1,0 +1,134 @@
+"""What a fit is, as JSON the run file keeps: the module's submodules, the optimizers and
+schedulers with their hyperparameters, and the training data when Lightning can describe it.
+
+The recorder stores these at the first training batch, so that two runs of any project (not
+only runs whose ``config=`` says what they are) can be compared offline for what they share.
+Values that are not JSON (a tensor, a function) become stable text — a tensor's value or shape,
+an object's class name — never an address that would make two equal runs look different.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Sized
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+__all__ = [
+    "class_path",
+    "data_description",
+    "optimizer_settings",
+    "plain",
+    "scheduler_settings",
+    "submodules",
+]
+
+
+def class_path(obj: object) -> str:
+    """``module.QualifiedName`` of ``obj``'s class."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON-safe data: containers kept, scalars and one-element tensors as
+    numbers, anything else as stable text (a tensor's shape, an object's class name)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else f"tensor{tuple(value.shape)}"
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # numpy scalars
+        return value.item()
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    name = getattr(value, "__qualname__", None) or type(value).__qualname__
+    return f"<{name}>"
+
+
+def submodules(module: nn.Module) -> dict[str, list[str]]:
+    """``{name: [class path, extra_repr()]}`` of every submodule: what the layout cannot show
+    (an activation's class, a convolution's stride, a dropout's rate)."""
+    return {
+        name: [class_path(child), child.extra_repr()]
+        for name, child in module.named_modules()
+        if name
+    }
+
+
+def optimizer_settings(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    """Each optimizer's class and its parameter groups' hyperparameters (the parameters
+    themselves left out, their count kept)."""
+    return [
+        {
+            "class_path": class_path(optimizer),
+            "param_groups": [
+                {k: plain(v) for k, v in group.items() if k != "params"}
+                | {"n_tensors": len(group["params"])}
+                for group in optimizer.param_groups
+            ],
+        }
+        for optimizer in trainer.optimizers
+    ]
+
+
+def scheduler_settings(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    """Each learning-rate scheduler's class, when it steps, and the public part of its state
+    (step sizes, factors, base learning rates), as at the first training batch."""
+    return [
+        {
+            "class_path": class_path(config.scheduler),
+            "interval": config.interval,
+            "frequency": config.frequency,
+            "state": {
+                k: plain(v)
+                for k, v in config.scheduler.state_dict().items()
+                if not k.startswith("_") and k != "last_epoch"  # progress, not setting
+            },
+        }
+        for config in trainer.lr_scheduler_configs
+    ]
+
+
+def data_description(trainer: pl.Trainer) -> dict[str, Any]:
+    """The DataModule's class and saved hyperparameters, and each training loader's dataset
+    class, length, batch size and sampler; empty when Lightning knows neither."""
+    described: dict[str, Any] = {}
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None:
+        described["datamodule"] = {
+            "class_path": class_path(datamodule),
+            "init_args": plain(dict(getattr(datamodule, "hparams_initial", {}) or {})),
+        }
+    loaders = _leaves(trainer.train_dataloader)
+    if loaders:
+        described["train"] = [_loader(loader) for loader in loaders]
+    return described
+
+
+def _loader(loader: Any) -> dict[str, Any]:
+    if not isinstance(loader, DataLoader):
+        return {"iterable": class_path(loader)}
+    dataset = loader.dataset
+    return {
+        "dataset": class_path(dataset),
+        "length": len(dataset) if isinstance(dataset, Sized) else None,
+        "batch_size": loader.batch_size,
+        "sampler": class_path(loader.sampler),
+        "drop_last": loader.drop_last,
+    }
+
+
+def _leaves(loaders: Any) -> list[Any]:
+    """The loaders of Lightning's train iterables (one, or a list or dict of them)."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return [leaf for key in sorted(loaders) for leaf in _leaves(loaders[key])]
+    if isinstance(loaders, Sequence) and not isinstance(loaders, (str, DataLoader)):
+        return [leaf for item in loaders for leaf in _leaves(item)]
+    return [loaders]
