@@ -383,8 +383,11 @@ def _check(
         return Check(name, NOT_RECORDED, _missing(a, b, labels, absent))
     if a == b:
         return Check(name, SAME, _agreement(a))
-    structured = all(isinstance(x, (dict, list)) for x in (a, b))
-    differences = _flat_differences(a, b) if structured else {}
+    if not all(isinstance(x, (dict, list)) for x in (a, b)):
+        return Check(name, DIFFERS, f"{a} vs {b}")
+    if a == [] or b == []:  # no scheduler in one run: what the other has is the difference
+        return Check(name, DIFFERS, f"{_classes(a)} vs {_classes(b)}")
+    differences = _flat_differences(a, b)
     if differences and all(k.rsplit(".", 1)[-1] in IGNORED_CONFIG_KEYS for k in differences):
         return Check(name, VARIANT, _describe(differences))
     return Check(name, DIFFERS, _describe(differences) or f"{_json(a)} vs {_json(b)}")
@@ -522,11 +525,14 @@ def _flat_differences(a: Any, b: Any) -> dict[str, tuple[Any, Any]]:
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 1:
         a, b = a[0], b[0]
     flat_a, flat_b = _flat(a), _flat(b)
-    return {
-        key: (flat_a.get(key), flat_b.get(key))
+    keys = [
+        key
         for key in sorted(flat_a.keys() | flat_b.keys(), key=_natural)
         if key not in flat_a or key not in flat_b or flat_a[key] != flat_b[key]
-    }
+    ]
+    # Classes first, then what both record differently, then what one records alone.
+    keys.sort(key=lambda k: (not k.endswith("class_path"), k not in flat_a or k not in flat_b))
+    return {key: (flat_a.get(key, _ABSENT), flat_b.get(key, _ABSENT)) for key in keys}
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -557,13 +563,23 @@ def _agreement(value: Any) -> str:
     return str(value)
 
 
+def _classes(value: Any) -> str:
+    """The classes a recorded list of optimizers or schedulers names, or ``none``."""
+    return ", ".join(str(v.get("class_path")).rsplit(".", 1)[-1] for v in value) or "none"
+
+
 def _describe(differences: dict[str, tuple[Any, Any]]) -> str:
-    shown = [f"{k}: {_json(a)} vs {_json(b)}" for k, (a, b) in list(differences.items())[:6]]
+    shown = [f"{k}: {_text(a)} vs {_text(b)}" for k, (a, b) in list(differences.items())[:6]]
     more = len(differences) - len(shown)
     return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
 
 
 _UNSEEN = Check("", NOT_RECORDED, "")  # a check absent from a comparison
+_ABSENT = object()  # a key one run records and the other does not
+
+
+def _text(value: Any) -> str:
+    return "absent" if value is _ABSENT else _json(value)
 
 
 def _json(value: Any) -> str:
