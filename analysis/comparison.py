@@ -361,7 +361,9 @@ def verdict(checks: Sequence[Check]) -> str:
     elif differing:
         text, shown = "", differing
     elif variant:
-        text = "differs only in the variant: " + "; ".join(c.details for c in variant)
+        text = "differs only in the variant: " + "; ".join(
+            f"{c.name} ({c.details})" for c in variant
+        )
         shown = []
     elif unknown:
         text, shown = "no difference in what both runs recorded", []

@@ -168,10 +168,15 @@ def write_plane_html(
             "<h1>Initial-gradient plane and out-of-plane views</h1>",
             f"<p class='meta'>{html.escape(', '.join(dict.fromkeys(v.run for v in views)))}"
             f" · dynamics {__version__}</p>",
-            "<p>Heatmaps: log10 of each run's loss on its stored probe batch at θ0 + a·u + b·v "
-            "(models in eval mode). Circles mark θ0, stars θT.</p>",
+            "<h2>Loss landscapes</h2>",
+            "<p class='note'>Each panel: log10 of the loss of the run it names, on that run's "
+            "stored probe batch, at θ0 + a·u + b·v (models in eval mode); every run's path is "
+            "drawn over it. Circles mark θ0, stars θT.</p>",
+            figure_html(figures[0][1], 0),
+            "<h2>Real checkpoints against the plane</h2>",
+            figure_html(figures[1][1], 1),
+            "<h2>Notes</h2>",
             html_table(("note", "value"), sorted(notes.items())),
-            *(figure_html(figure, i) for i, (_, figure) in enumerate(figures)),
         ]
     )
     page = html_page("dynamics plane views", body)

@@ -87,10 +87,16 @@ def data_text(description: Mapping[str, Any]) -> str:
         parts.append(
             f"{_short(loader['dataset'])}"
             + (f" of {length}" if length is not None else " (no length)")
-            + f", batch {loader.get('batch_size')}, {_short(loader.get('sampler'))}"
+            + _batch_text(loader.get("batch_size"))
+            + f", {_short(loader.get('sampler'))}"
             + (", last batch dropped" if loader.get("drop_last") else "")
         )
     return "; ".join(parts)
+
+
+def _batch_text(batch_size: Any) -> str:
+    # A loader without a batch size passes on what its dataset yields, batches included.
+    return ", batched by the dataset" if batch_size is None else f", batch {batch_size}"
 
 
 def _layout_text(layout: Mapping[str, Any]) -> str:

@@ -269,6 +269,10 @@ def test_report_and_comparison_of_a_tiny_real_run(tiny_runs, tmp_path):
     )
     assert compared.returncode == 0, compared.stderr
     assert "wrote" in compared.stdout and (tmp_path / "compare.html").stat().st_size > 1e6
+    # the designed pair differs in the shift alone, and the page says so without a warning
+    page = (tmp_path / "compare.html").read_text()
+    assert "differs only in the variant: init args (shift: &quot;none&quot; vs" in page
+    assert "class='warning'" not in page
     layers = json.loads(verdicts.stdout)["layers"]
     assert [layer["name"] for layer in layers] == ["student.blocks.0", "student.blocks.1"]
     assert text.returncode == 0 and "student.blocks.1" in text.stdout

@@ -205,6 +205,27 @@ def test_report_and_compare_draw_every_recorded_view(recorded_runs, user_view, d
     assert [trace["type"] for trace in density["data"]] == ["heatmap"]
 
 
+def test_side_by_side_panels_say_whose_data_they_show(recorded_runs, tmp_path):
+    from dynamics.analysis.compare import write_comparison
+
+    page = write_comparison(recorded_runs, tmp_path / "compare.html").path.read_text()
+    figures = figures_of(page)
+    labels = [path.stem for path in recorded_runs]  # lr0.3, lr0.1
+
+    def panel_titles(title: str) -> list[str]:
+        return [a.get("text") for a in titled(figures, title)["layout"].get("annotations", [])]
+
+    # per-tensor displacement is one panel per run; so is the spectral density
+    per_tensor = "Distance from initialization per tensor"
+    assert [t for t in panel_titles("Displacement") if t.startswith(per_tensor)] == [
+        f"{per_tensor}: run {label}" for label in labels
+    ]
+    assert panel_titles("Hessian spectral density") == [f"run {label}" for label in labels]
+    # overlaid panels name each run in the legend instead
+    accuracy = titled(figures, "Validation: val_acc")
+    assert [trace["name"] for trace in accuracy["data"]] == labels
+
+
 def test_the_plane_page_uses_the_page_kit(tmp_path):
     from dynamics.analysis.plane_report import write_plane_html
     from dynamics.analysis.plane_views import PlaneView, Trajectory
@@ -221,6 +242,9 @@ def test_the_plane_page_uses_the_page_kit(tmp_path):
     page = written.path.read_text()
     style = re.search(r"<style>(.*?)</style>", page, re.S).group(1)
     assert page.count(get_plotlyjs()) == 1 and "font-family:system-ui" in style
+    # laid out as the report and comparison are: a meta line, sections, notes in the kit's style
+    assert "<p class='meta'>a · dynamics" in page and "<h2>Loss landscapes</h2>" in page
+    assert "<h2>Notes</h2>" in page and "<p class='note'>" in page
     assert written.figures == 2 and page.count("Plotly.newPlot(") == 2
     exported = write_plane_html(
         views, tmp_path / "again.html", static_dir=tmp_path / "svg", static_format="svg"
