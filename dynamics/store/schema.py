@@ -3,7 +3,9 @@
 Layout of a run file (HDF5, one per run)::
 
     /                       attrs: schema, schema_version, config, versions, layout,
-                                   theta0_sha256, module, probes (JSON strings where structured)
+                                   theta0_sha256, module, probes, and what the fit is —
+                                   submodules, optimizers, schedulers, precision, data (files
+                                   from before these lack them) (JSON strings where structured)
     /series/<group>/step    int64 (n,), the optimizer step of each row, strictly increasing
     /series/<group>/<name>  (n, *shape) one row per recorded step; attr ``columns`` when the
                             last axis is named (layers, parameter tensors), attr ``view`` when
