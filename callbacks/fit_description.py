@@ -9,22 +9,50 @@ an object's class name — never an address that would make two equal runs look 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Sized
+import json
+from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
+
+from dynamics.store import names
 
 __all__ = [
     "class_path",
     "data_description",
+    "fit_attributes",
     "optimizer_settings",
     "plain",
     "scheduler_settings",
     "submodules",
 ]
+
+
+def fit_attributes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """The root attributes describing the fit: submodules, optimizers, schedulers, precision
+    and data. One that cannot be described (a custom scheduler whose ``state_dict`` raises) is
+    left out with a warning, so that it reads "not recorded" and the fit goes on."""
+    describe: dict[str, Callable[[], Any]] = {
+        names.ATTR_SUBMODULES: lambda: submodules(pl_module),
+        names.ATTR_OPTIMIZERS: lambda: optimizer_settings(trainer),
+        names.ATTR_SCHEDULERS: lambda: scheduler_settings(trainer),
+        names.ATTR_PRECISION: lambda: str(trainer.precision),
+        names.ATTR_DATA: lambda: data_description(trainer),
+    }
+    described = {}
+    for name, how in describe.items():
+        try:
+            described[name] = json.loads(json.dumps(how()))  # JSON, as the file stores it
+        except Exception as error:
+            rank_zero_warn(
+                f"DynamicsRecorder: the run's {name} is not recorded "
+                f"({type(error).__name__}: {error})"
+            )
+    return described
 
 
 def class_path(obj: object) -> str:

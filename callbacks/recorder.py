@@ -26,13 +26,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning.callbacks import Callback
 
 import dynamics
-from dynamics.callbacks.fit_description import (
-    class_path,
-    data_description,
-    optimizer_settings,
-    scheduler_settings,
-    submodules,
-)
+from dynamics.callbacks.fit_description import class_path, fit_attributes
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
@@ -430,11 +424,7 @@ class RecorderBase:
                 "class_path": class_path(pl_module),
                 "init_args": json.loads(json.dumps(hparams, default=str)),
             },
-            names.ATTR_SUBMODULES: submodules(pl_module),
-            names.ATTR_OPTIMIZERS: optimizer_settings(trainer),
-            names.ATTR_SCHEDULERS: scheduler_settings(trainer),
-            names.ATTR_PRECISION: str(trainer.precision),
-            names.ATTR_DATA: data_description(trainer),
+            **fit_attributes(trainer, pl_module),
             names.ATTR_PROBES: [
                 {
                     "class": type(p).__name__,

@@ -125,10 +125,10 @@ class TinyCNN(pl.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=generator)
 
 
-def record(path, module_class, *args, data=None, **kwargs):
+def record(path, module_class, *args, data=None, probes=None, **kwargs):
     torch.manual_seed(0)  # one seed for every run: equal layouts give equal θ0
     module = module_class(*args, **kwargs)
-    recorder = DynamicsRecorder(path, [TrainingLoss()])
+    recorder = DynamicsRecorder(path, probes or [TrainingLoss()])
     trainer = pl.Trainer(
         max_steps=3,
         callbacks=[recorder],
@@ -159,6 +159,9 @@ def runs(tmp_path_factory):
             folder / "plain_centered.h5", PlainGPT, CenteredGELU(), data=TokenData()
         ),
         "cnn": record(folder / "cnn.h5", TinyCNN),
+        "every2": record(
+            folder / "every2.h5", TinyGPT, data=TokenData(), probes=[TrainingLoss(every_n_steps=2)]
+        ),
     }
 
 
@@ -256,6 +259,8 @@ def test_learning_rates_optimizers_schedulers_and_data_are_told_apart(runs):
     assert checks["scheduler"].details == "none vs StepLR"
     # a scheduler sets its optimizer's initial_lr: that is recorded as it is
     assert checks["optimizer"].details == "param_groups.0.initial_lr: absent vs 0.1"
+    checks, line = checks_of(runs, "gpt", "every2")
+    assert line == "differs in: probes (loss.every_n_steps: 1 vs 2); not recorded: config"
     checks, line = checks_of(runs, "gpt", "batch8")
     assert checks["data"].status == "differs"
     assert "datamodule.init_args.batch_size: 4 vs 8" in checks["data"].details
@@ -334,3 +339,27 @@ def test_report_shows_module_class_init_args_and_setup(runs, tmp_path):
     assert "StepLR(base_lrs=[0.1], gamma=0.5, step_size=2" in page
     assert "every 1 epoch(s)" in page
     assert "TokenData {&quot;batch_size&quot;: 4}; TensorDataset of 16, batch 4" in page
+
+
+class UndescribedScheduler(torch.optim.lr_scheduler.StepLR):
+    """A scheduler whose state cannot be read at fit start."""
+
+    def state_dict(self):
+        raise RuntimeError("no state here")
+
+
+class CNNWithOddScheduler(TinyCNN):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": UndescribedScheduler(optimizer, 1)}
+
+
+def test_what_cannot_be_described_is_not_recorded_and_the_fit_goes_on(runs, tmp_path):
+    with pytest.warns(UserWarning, match="schedulers is not recorded .RuntimeError: no state"):
+        path = record(tmp_path / "odd.h5", CNNWithOddScheduler)
+    run = open_run(path)
+    assert run.status().state == "finished" and len(run.train_loss().values) == 3
+    assert names.ATTR_SCHEDULERS not in run.attrs and names.ATTR_OPTIMIZERS in run.attrs
+    checks, line = checks_of({"cnn": runs["cnn"], "odd": path}, "cnn", "odd")
+    assert checks["scheduler"].details == "not recorded in odd"
+    assert line.endswith("not recorded: scheduler, config")
