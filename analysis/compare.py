@@ -181,9 +181,10 @@ def _summary_html(
 
 
 def _checks(runs: list[Run], labels: list[str]) -> list[tuple[str, list[Check]]]:
-    """``(pair, its comparability checks)`` of every run against the reference."""
+    """``(pair, its comparability checks)`` of every run against the reference; the run comes
+    first, as in the pair's name and in every ``a vs b`` of the details."""
     return [
-        (f"{label} vs {labels[0]}", comparability(runs[0], run, (labels[0], label)))
+        (f"{label} vs {labels[0]}", comparability(run, runs[0], (label, labels[0])))
         for run, label in zip(runs[1:], labels[1:])
     ]
 

@@ -313,7 +313,12 @@ def test_compare_page_shows_verdict_setup_and_no_false_agreement(runs, dynamics,
     page = out.read_text()
     verdicts = dict(re.findall(r"<tr[^>]*><td>(\w+ vs gpt)</td><td>([^<]*)</td></tr>", page))
     assert verdicts["cnn vs gpt"].startswith("not comparable: the parameter layouts differ")
-    assert verdicts["centered vs gpt"].startswith("differs in: init args (centered: false vs true)")
+    # read as named: the run, then the reference
+    assert verdicts["centered vs gpt"].startswith("differs in: init args (centered: true vs false)")
+    assert (
+        "module (tests.test_comparability.TinyCNN vs tests.test_comparability.TinyGPT)"
+        in (verdicts["cnn vs gpt"])
+    )
     assert "⚠ parameter layout differs: cnn vs gpt" in page
     setup = page[page.index("<h2>Setup</h2>") : page.index("<h2>Overlaid</h2>")]
     for text in (

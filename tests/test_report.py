@@ -217,7 +217,7 @@ def test_warning_rows_when_theta0_data_or_config_differ(tmp_path):
     assert "⚠ θ0 differs: b vs a" in warnings
     assert "⚠ data differs: b vs a" in warnings
     assert "⚠ config differs: b vs a" in warnings
-    assert "optimizer.lr: 0.001 vs 0.003" in page
+    assert "optimizer.lr: 0.003 vs 0.001" in page  # b vs a: b's value first
     assert (
         config_differences({"variant": "a", "m": {"shift": 0}}, {"variant": "b", "m": {"shift": 1}})
         == {}
@@ -271,7 +271,7 @@ def test_report_and_comparison_of_a_tiny_real_run(tiny_runs, tmp_path):
     assert "wrote" in compared.stdout and (tmp_path / "compare.html").stat().st_size > 1e6
     # the designed pair differs in the shift alone, and the page says so without a warning
     page = (tmp_path / "compare.html").read_text()
-    assert "differs only in the variant: init args (shift: &quot;none&quot; vs" in page
+    assert "differs only in the variant: init args (shift: &quot;expected&quot; vs" in page
     assert "class='warning'" not in page
     layers = json.loads(verdicts.stdout)["layers"]
     assert [layer["name"] for layer in layers] == ["student.blocks.0", "student.blocks.1"]
