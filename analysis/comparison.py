@@ -299,7 +299,7 @@ def comparability(
     of the config. Something one run did not record is ``"not recorded"``, never the same.
 
     Args:
-        reference: the run compared against.
+        reference: one run; its values come first in every ``a vs b`` of the details.
         other: the other run.
         labels: the two runs' names, as the details name a run that lacks a record.
     """
@@ -344,9 +344,11 @@ def comparability(
 def verdict(checks: Sequence[Check]) -> str:
     """One line saying whether two runs can be compared and how they differ.
 
-    ``"not comparable: …"`` when the parameter layouts differ, ``"different init: …"`` when
-    θ0 differs, ``"differs in: …"`` naming every check that differs, else what is left; the
-    checks a run did not record follow, so a missing record never reads as agreement.
+    ``"not comparable: the parameter layouts differ"`` or ``"different init (θ0 differs)"``,
+    each followed by the other checks that differ; else ``"differs in: …"`` naming every check
+    that differs with its details, ``"differs only in the variant: …"``, or no difference in
+    what was recorded. The checks a run did not record follow (``"not recorded: …"``), so a
+    missing record never reads as agreement.
     """
     by_name = {check.name: check for check in checks}
     differing = [c for c in checks if c.status == DIFFERS]
