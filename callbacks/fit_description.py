@@ -63,7 +63,8 @@ def class_path(obj: object) -> str:
 
 def plain(value: Any) -> Any:
     """``value`` as JSON-safe data: containers kept, scalars and one-element tensors as
-    numbers, anything else as stable text (a tensor's shape, an object's class name)."""
+    numbers, other tensors as their shape, other objects as ``str(value)`` (a path, a module's
+    repr) unless that holds a memory address (a function), then as ``<their name>``."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
@@ -74,8 +75,10 @@ def plain(value: Any) -> Any:
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
-    name = getattr(value, "__qualname__", None) or type(value).__qualname__
-    return f"<{name}>"
+    text = str(value)
+    if " at 0x" not in text:
+        return text
+    return f"<{getattr(value, '__qualname__', None) or type(value).__qualname__}>"
 
 
 def submodules(module: nn.Module) -> dict[str, list[str]]:

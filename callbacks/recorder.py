@@ -26,7 +26,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning.callbacks import Callback
 
 import dynamics
-from dynamics.callbacks.fit_description import class_path, fit_attributes
+from dynamics.callbacks.fit_description import class_path, fit_attributes, plain
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
@@ -422,7 +422,8 @@ class RecorderBase:
             names.ATTR_THETA0_SHA256: vector_hash(parameter_vector(pl_module, layout)),
             names.ATTR_MODULE: {
                 "class_path": class_path(pl_module),
-                "init_args": json.loads(json.dumps(hparams, default=str)),
+                # A function's text holds its address: plain() keeps equal runs equal.
+                "init_args": plain(hparams),
             },
             **fit_attributes(trainer, pl_module),
             names.ATTR_PROBES: [

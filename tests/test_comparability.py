@@ -368,3 +368,30 @@ def test_what_cannot_be_described_is_not_recorded_and_the_fit_goes_on(runs, tmp_
     checks, line = checks_of({"cnn": runs["cnn"], "odd": path}, "cnn", "odd")
     assert checks["scheduler"].details == "not recorded in odd"
     assert line.endswith("not recorded: scheduler, config")
+
+
+def halve(x):
+    return x / 2
+
+
+def test_recorded_values_are_stable_json():
+    from pathlib import Path
+
+    from dynamics.callbacks.fit_description import plain
+
+    value = {
+        "fn": halve,  # its str holds its address, which differs between equal runs
+        "path": Path("/data/x"),
+        "lr": torch.tensor(0.5),
+        "weight": torch.zeros(3, 2),
+        "betas": (0.9, 0.99),
+        "act": nn.GELU(),
+    }
+    assert plain(value) == {
+        "fn": "<halve>",
+        "path": "/data/x",
+        "lr": 0.5,
+        "weight": "tensor(3, 2)",
+        "betas": [0.9, 0.99],
+        "act": "GELU(approximate='none')",
+    }
