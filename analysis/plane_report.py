@@ -170,6 +170,10 @@ def write_plane_html(
             f" · dynamics {__version__}</p>",
             "<p>Heatmaps: log10 of each run's loss on its stored probe batch at θ0 + a·u + b·v "
             "(models in eval mode). Circles mark θ0, stars θT.</p>",
+            *(
+                f"<p>Buffers: {html.escape(note)}.</p>"
+                for note in dict.fromkeys(v.buffers for v in views if v.buffers)
+            ),
             html_table(("note", "value"), sorted(notes.items())),
             *(figure_html(figure, i) for i, (_, figure) in enumerate(figures)),
         ]

@@ -30,7 +30,8 @@ from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
 from dynamics.callbacks.training_loss import TrainingLoss
-from dynamics.params import ParameterLayout, parameter_vector, vector_hash
+from dynamics.params import BufferLayout, ParameterLayout, parameter_vector, vector_hash
+from dynamics.rebuild import module_record
 from dynamics.store import RunFileError, RunWriter, SeriesSpec, names
 
 #: What the recorder does when a probe raises: disable it and go on, or end the fit.
@@ -404,16 +405,13 @@ class RecorderBase:
 
     def _attrs(self, pl_module: pl.LightningModule, settings: dict[str, Any]) -> dict[str, Any]:
         layout = ParameterLayout.of(pl_module)
-        hparams = dict(getattr(pl_module, "hparams", {}) or {})
         return {
             names.ATTR_RUN_NAME: self.run_name,
             names.ATTR_CONFIG: self.config,
             names.ATTR_LAYOUT: layout.to_dict(),
             names.ATTR_THETA0_SHA256: vector_hash(parameter_vector(pl_module, layout)),
-            names.ATTR_MODULE: {
-                "class_path": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
-                "init_args": json.loads(json.dumps(hparams, default=str)),
-            },
+            names.ATTR_BUFFERS: BufferLayout.of(pl_module).to_dict(),
+            names.ATTR_MODULE: module_record(pl_module),
             names.ATTR_PROBES: [
                 {
                     "class": type(p).__name__,
