@@ -3,14 +3,21 @@
 Layout of a run file (HDF5, one per run)::
 
     /                       attrs: schema, schema_version, config, versions, layout,
-                                   theta0_sha256, module, probes (JSON strings where structured)
+                                   buffers (the persistent buffers' names, shapes, dtypes),
+                                   theta0_sha256, module (class path, init args, the names of
+                                   init args not recorded), probes (JSON strings where
+                                   structured; GradientPlane's settings hold the probe batch's
+                                   structure)
     /series/<group>/step    int64 (n,), the optimizer step of each row, strictly increasing
     /series/<group>/<name>  (n, *shape) one row per recorded step; attr ``columns`` when the
                             last axis is named (layers, parameter tensors), attr ``view`` when
                             the series is drawn (see :class:`View`), attr ``encoding`` when the
                             stored values need decoding (``bfloat16``: the uint16 upper halves
                             of float32 values)
-    /vectors/<name>         vectors written once: θ0, θ_T, initial gradients, probe batches
+    /vectors/<name>         vectors written once: θ0, θ_T (and its step), their buffers (one
+                            flat vector per stored dtype: theta0_buffers.float32, ...),
+                            initial gradients, probe batch leaves; snapshots hold their
+                            buffers as series snapshots/buffers.<dtype>
     /events/step            int64 (n,), non-decreasing: what probes reported, one row each
     /events/{probe,kind,message}  fixed-length UTF-8 strings (kind: disabled, error, warning)
     /status/<field>         scalars updated in place: state (running, finished, crashed),
