@@ -35,7 +35,7 @@ class NearestBuffers:
     """
 
     def __init__(self, states: Sequence[StoredState], layout: BufferLayout, note: str) -> None:
-        self._thetas = torch.from_numpy(np.stack([s.theta for s in states]))
+        self._thetas = torch.from_numpy(np.stack([s.theta for s in states])) if states else None
         self._buffers = [s.buffers for s in states]
         self._layout = layout
         self.note = note

@@ -118,9 +118,6 @@ def probe_batch(run: Run) -> Any:
         key=lambda n: int(n.rpartition(".")[2]),
     )
     leaves = [run.vector(n) for n in leaf_names]
-    if not leaves or any(leaf is None for leaf in leaves):
-        raise DynamicsError(f"{run.path.name}: no probe batch stored (record with GradientPlane)")
-    tensors = [torch.from_numpy(leaf) for leaf in leaves]
     structure = next(
         (
             probe["settings"][names.PROBE_BATCH_STRUCTURE]
@@ -129,6 +126,9 @@ def probe_batch(run: Run) -> Any:
         ),
         None,
     )
+    if any(leaf is None for leaf in leaves) or not (leaves or structure):
+        raise DynamicsError(f"{run.path.name}: no probe batch stored (record with GradientPlane)")
+    tensors = [torch.from_numpy(leaf) for leaf in leaves]
     if structure is None:
         return tuple(tensors) if len(tensors) > 1 else tensors[0]
     try:

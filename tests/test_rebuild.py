@@ -25,6 +25,7 @@ from dynamics.batch_tree import flatten_batch, unflatten_batch
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.errors import DynamicsError
 from dynamics.loss_rule import module_loss
+from dynamics.nearest_buffers import NearestBuffers
 from dynamics.params import BufferLayout, ParameterLayout
 from dynamics.rebuild import probe_batch, rebuild_module
 from dynamics.store import names
@@ -265,6 +266,9 @@ def test_a_file_without_buffers_says_so_and_loads_parameters(bn_runs, tmp_path):
     # θT's step was not stored either: estimated as one past the last recorded step.
     assert state.buffers is None and state.step == 5
     assert torch.equal(fresh.norm.running_var, torch.ones(4))  # its own, not guessed
+    buffers = NearestBuffers.of_run(open_run(old), fresh)  # what the plane's page states
+    assert "slow: no buffers recorded" in buffers.note
+    assert buffers.nearest(torch.from_numpy(state.theta)) is None
     layout = ParameterLayout.of(fresh)
     for p, q in zip(layout.parameters(fresh), layout.parameters(module)):
         assert torch.equal(p, q)
