@@ -8,6 +8,7 @@ elsewhere can only reach them through ``--model path/to/test_rebuild.py:Class``.
 from __future__ import annotations
 
 import collections
+import sys
 import warnings
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from dynamics import open_run
+from dynamics import cli, open_run
 from dynamics.batch_tree import flatten_batch, unflatten_batch
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.errors import DynamicsError
@@ -304,12 +305,16 @@ def test_unrecorded_init_args_are_refused_and_can_be_given(tmp_path, dynamics, o
     assert not (tmp_path / "x.html").exists()
 
 
-def test_a_factory_builds_the_model_with_the_given_args_only(tmp_path):
+def test_a_factory_builds_the_model_with_the_given_args_only(tmp_path, monkeypatch):
     torch.manual_seed(0)
     module = UnsavedArgsMLP(width=6)
     run = fit(module, tmp_path / "a.h5", steps=2)
     rebuilt = rebuild_module(run, model=f"{THIS_FILE}:make_unsaved", init_args={"width": 6})
     assert rebuilt.body[0].out_features == 6
+    monkeypatch.chdir(THIS_FILE.parent)  # a module of the working directory imports by name
+    rebuilt = rebuild_module(run, model="test_rebuild:make_unsaved", init_args={"width": 6})
+    assert rebuilt.body[0].out_features == 6
+    assert str(THIS_FILE.parent) not in sys.path  # importable while importing only
     with pytest.raises(DynamicsError, match="--model must be"):
         rebuild_module(run, model="no_colon")
     with pytest.raises(DynamicsError, match="no such file"):
@@ -400,3 +405,10 @@ def test_recording_buffers_never_perturbs_training(tmp_path):
         plain, recorded = train(False), train(True)
     for name, value in plain.items():
         assert torch.equal(value, recorded[name]), name
+
+
+def test_init_args_must_be_a_json_object(tmp_path, capsys):
+    for text, message in (("{width: 6}", "is not JSON"), ("[6]", "must be a JSON object")):
+        args = ["plane", "a.h5", "b.h5", "-o", str(tmp_path / "x.html"), "--init-args", text]
+        assert cli.main(args) == 2
+        assert message in capsys.readouterr().err
