@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dynamics.loss_rule import module_loss
+from dynamics.nearest_buffers import NearestBuffers
 from dynamics.params import ParameterLayout, parameter_vector
 from dynamics.plane import Grid, Plane
 
@@ -35,6 +36,10 @@ class LossSurface:
     parameter point is one vector write: no state dict, no per-tensor copies, no I/O. Frozen
     parameters and buffers keep the values they had in ``module``.
 
+    Buffers (BatchNorm running statistics) follow ``buffers``, when given: each point is
+    evaluated with those of the run's stored state nearest to it (see
+    :mod:`dynamics.nearest_buffers`).
+
     A loss that draws random numbers sees the same draws at every point (the global RNG is
     reset to a state seeded by ``seed`` before each evaluation, inside a forked RNG, so the
     caller's streams are untouched), which keeps its landscape smooth and makes every rank of a
@@ -47,6 +52,7 @@ class LossSurface:
         loss_fn: scalar loss of ``(module, batch)``; defaults to the toolkit's loss rule
             (:func:`dynamics.loss_rule.module_loss`).
         seed: seed of the random draws a stochastic loss sees.
+        buffers: the buffers each point uses; None: the module's own at every point.
 
     Raises:
         ValueError: if the module lacks a parameter of ``layout`` or has it in another shape,
@@ -62,6 +68,7 @@ class LossSurface:
         loss_fn: LossFunction = module_loss,
         *,
         seed: int = 0,
+        buffers: NearestBuffers | None = None,
     ) -> None:
         self._module = copy.deepcopy(module).eval()
         params = layout.parameters(self._module)
@@ -81,6 +88,13 @@ class LossSurface:
         self._batch = batch
         self._loss_fn = loss_fn
         self._seed = seed
+        self._buffers = buffers
+        self._buffers_of: int | None = None  # the stored state whose buffers are loaded
+
+    @property
+    def buffer_note(self) -> str:
+        """Which buffers the points use, for a view to state; empty when the module has none."""
+        return self._buffers.note if self._buffers is not None else ""
 
     @property
     def layout(self) -> ParameterLayout:
@@ -109,6 +123,8 @@ class LossSurface:
                 f"theta has shape {tuple(vector.shape)}, layout has {self._layout.size} entries"
             )
         self._flat.copy_(vector)
+        if self._buffers is not None:
+            self._use_buffers(self._buffers.nearest(vector))
         with self._fixed_draws() as reset:
             reset()
             return float(self._current_loss())
@@ -137,6 +153,7 @@ class LossSurface:
         row = torch.empty_like(self._flat)
         row_index = None
         losses = torch.empty(len(points), dtype=torch.float64, device=device)
+        states = self._buffers.plane_coordinates(plane) if self._buffers is not None else None
         with self._fixed_draws() as reset:
             for n, k in enumerate(tqdm(points, disable=not progress, unit="pt", desc="loss grid")):
                 i, j = divmod(k, grid.alphas.size)
@@ -147,9 +164,17 @@ class LossSurface:
                     row.copy_(torch.add(origin, v, alpha=float(grid.betas[i])))
                     row_index = i
                 torch.add(row, u, alpha=float(grid.alphas[j]), out=self._flat)
+                if states is not None:
+                    alpha, beta = float(grid.alphas[j]), float(grid.betas[i])
+                    self._use_buffers(self._buffers.nearest_on_plane(states, alpha, beta))
                 reset()
                 losses[n] = self._current_loss()
         return losses
+
+    def _use_buffers(self, index: int | None) -> None:
+        if index != self._buffers_of:
+            self._buffers.load(self._module, index)
+            self._buffers_of = index
 
     def _check_plane(self, plane: Plane) -> None:
         if plane.size != self._layout.size:

@@ -172,6 +172,10 @@ def write_plane_html(
             "<p class='note'>Each panel: log10 of the loss of the run it names, on that run's "
             "stored probe batch, at θ0 + a·u + b·v (models in eval mode); every run's path is "
             "drawn over it. Circles mark θ0, stars θT.</p>",
+            *(
+                f"<p class='note'>Buffers: {html.escape(note)}.</p>"
+                for note in dict.fromkeys(v.buffers for v in views if v.buffers)
+            ),
             figure_html(figures[0][1], 0),
             "<h2>Real checkpoints against the plane</h2>",
             figure_html(figures[1][1], 1),

@@ -17,6 +17,7 @@ from dynamics.analysis.output import check_output
 from dynamics.analysis.plane_report import write_plane_html
 from dynamics.analysis.plane_views import initial_gradient_plane, plane_views, save_views
 from dynamics.errors import DynamicsError
+from dynamics.nearest_buffers import NearestBuffers
 from dynamics.rebuild import probe_batch, rebuild_module
 from dynamics.store import Run, open_run
 
@@ -59,6 +60,8 @@ def write_plane(
     margin: float = 0.25,
     processes: int = 1,
     progress: bool = False,
+    model: str | None = None,
+    init_args: dict | None = None,
 ) -> PlaneWritten:
     """Both runs on the plane of their initial gradients and each out of it, as HTML and HDF5.
 
@@ -74,6 +77,9 @@ def write_plane(
         margin: extra fraction of the trajectories' range on each side of a grid.
         processes: split every grid across this many processes (forked, gloo).
         progress: progress bars over the grids.
+        model: build each run's model with this class or factory instead of the recorded
+            class (see :func:`~dynamics.rebuild.rebuild_module`).
+        init_args: init args completing or overriding the recorded ones.
 
     Raises:
         DynamicsError: ``processes`` below 1, an output that may not be written, a run file
@@ -88,9 +94,7 @@ def write_plane(
     results = check_output(html.with_suffix(".h5"), overwrite, inputs)
     runs = [open_run(path) for path in inputs]
     initial_gradient_plane(*runs, grid_side)  # every input check before models are rebuilt
-    surfaces = {
-        run.name: LossSurface(rebuild_module(run), run.layout, probe_batch(run)) for run in runs
-    }
+    surfaces = {run.name: _surface(run, model, init_args) for run in runs}
     job = _Job(runs, surfaces, grid_side, margin, progress, html, results)
     if processes == 1:
         return PlaneWritten(html, results, _evaluate_share(0, job))
@@ -109,6 +113,12 @@ def write_plane(
             raise DynamicsError(f"plane evaluation failed in a worker: {last}") from None
         notes = json.loads((Path(folder) / "notes.json").read_text())
     return PlaneWritten(html, results, notes)
+
+
+def _surface(run: Run, model: str | None, init_args: dict | None) -> LossSurface:
+    module = rebuild_module(run, model, init_args)
+    buffers = NearestBuffers.of_run(run, module)
+    return LossSurface(module, run.layout, probe_batch(run), buffers=buffers)
 
 
 def _evaluate_share(

@@ -52,6 +52,7 @@ class PlaneView:
     losses: np.ndarray  # (len(betas), len(alphas))
     trajectories: list[Trajectory]
     notes: dict[str, float] = field(default_factory=dict)
+    buffers: str = ""  # which buffers (BatchNorm statistics) its points use; "" when none
 
 
 def initial_gradient_plane(
@@ -131,6 +132,7 @@ def plane_views(
             ),
             trajectories=list(on_plane.values()),
             notes={f"in-plane share of ‖θT − θ0‖², {t.run}": _share(t) for t in on_plane.values()},
+            buffers=surfaces[r.name].buffer_note,
         )
         for r in runs
     ]
@@ -159,6 +161,7 @@ def plane_views(
                 ),
                 trajectories=[trajectory],
                 notes={f"in-plane share of ‖θT − θ0‖², {r.name}": share},
+                buffers=surfaces[r.name].buffer_note,
             )
         )
     return views
@@ -175,6 +178,7 @@ def save_views(views: list[PlaneView], path: Path) -> None:
                 kind=view.plane.kind,
                 metadata=json.dumps(dict(view.plane.metadata), default=_jsonable),
                 notes=json.dumps(view.notes),
+                buffers=view.buffers,
             )
             group["alphas"], group["betas"], group["losses"] = (
                 view.grid.alphas,

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 
+from dynamics.batch_tree import flatten_batch
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.initial_gradient import initial_gradient
@@ -27,7 +27,8 @@ class GradientPlane(Probe):
     θ0 on a fixed probe batch — the first training batch unless one is given — with the module in
     ``mode``, computed without touching ``.grad``, the RNG, BatchNorm buffers or train/eval flags;
     under DDP it is the average over ranks. g0 and the probe batch are stored (vectors ``g0`` and
-    ``probe_batch.<i>``), so any two runs that share θ0 can later be compared on the plane of
+    ``probe_batch.<i>``, with the batch's structure in the settings, see
+    :mod:`dynamics.batch_tree`), so any two runs that share θ0 can later be compared on the plane of
     their initial gradients; the probe's settings in the file's ``probes`` attribute state the
     mode and where the loss came from. The default ``mode="eval"`` (dropout off, BatchNorm on its
     running statistics) is the mode the plane's loss landscapes are drawn in.
@@ -131,7 +132,10 @@ class GradientPlane(Probe):
         return vectors
 
     def settings(self) -> dict[str, Any]:
-        return self._loss.settings()
+        if self._loss.batch is None:
+            return self._loss.settings()
+        structure, _ = flatten_batch(self._loss.batch)
+        return self._loss.settings() | {names.PROBE_BATCH_STRUCTURE: structure}
 
     def is_due(self, step: int) -> bool:
         return self.plane is not None and super().is_due(step)
@@ -173,7 +177,7 @@ class GradientPlane(Probe):
         }
 
     def _batch_arrays(self) -> list[tuple[str, np.ndarray]]:
-        leaves = _tensor_leaves(self._loss.batch)
+        _, leaves = flatten_batch(self._loss.batch)
         return [
             (f"{names.PROBE_BATCH_PREFIX}{i}", t.detach().cpu().numpy())
             for i, t in enumerate(leaves)
@@ -191,9 +195,3 @@ class GradientPlane(Probe):
             raise ValueError(f"GradientPlane partner {self.partner} stores no initial gradient g0")
         theta0 = self._theta0.double().cpu().numpy()
         return plane_from_gradients(theta0, g_partner, self._g0.double().cpu().numpy())
-
-
-def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
-    leaves: list[torch.Tensor] = []
-    apply_to_collection(batch, torch.Tensor, leaves.append)
-    return leaves

@@ -26,12 +26,13 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning.callbacks import Callback
 
 import dynamics
-from dynamics.callbacks.fit_description import class_path, fit_attributes, plain
+from dynamics.callbacks.fit_description import fit_attributes
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
 from dynamics.callbacks.training_loss import TrainingLoss
-from dynamics.params import ParameterLayout, parameter_vector, vector_hash
+from dynamics.params import BufferLayout, ParameterLayout, parameter_vector, vector_hash
+from dynamics.rebuild import module_record
 from dynamics.store import RunFileError, RunWriter, SeriesSpec, names
 
 #: What the recorder does when a probe raises: disable it and go on, or end the fit.
@@ -414,17 +415,13 @@ class RecorderBase:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, settings: dict[str, Any]
     ) -> dict[str, Any]:
         layout = ParameterLayout.of(pl_module)
-        hparams = dict(getattr(pl_module, "hparams", {}) or {})
         return {
             names.ATTR_RUN_NAME: self.run_name,
             names.ATTR_CONFIG: self.config,
             names.ATTR_LAYOUT: layout.to_dict(),
             names.ATTR_THETA0_SHA256: vector_hash(parameter_vector(pl_module, layout)),
-            names.ATTR_MODULE: {
-                "class_path": class_path(pl_module),
-                # A function's text holds its address: plain() keeps equal runs equal.
-                "init_args": plain(hparams),
-            },
+            names.ATTR_BUFFERS: BufferLayout.of(pl_module).to_dict(),
+            names.ATTR_MODULE: module_record(pl_module),
             **fit_attributes(trainer, pl_module),
             names.ATTR_PROBES: [
                 {

@@ -74,6 +74,15 @@ def _build_parser() -> argparse.ArgumentParser:
     plane.add_argument(
         "--processes", type=int, default=1, help="split each grid across this many processes"
     )
+    plane.add_argument(
+        "--model",
+        metavar="MODULE:NAME",
+        help="build the model with this class or factory (pkg.module:name or "
+        "path/to/file.py:name) instead of the recorded class",
+    )
+    plane.add_argument(
+        "--init-args", metavar="JSON", help="init args completing or overriding the recorded ones"
+    )
     plane.set_defaults(handler=_plane)
 
     report = commands.add_parser("report", help="self-contained HTML report of run files")
@@ -183,11 +192,25 @@ def _plane(args: argparse.Namespace) -> int:
         margin=args.span,
         processes=args.processes,
         progress=not args.no_progress,
+        model=args.model,
+        init_args=_json_object(args.init_args, "--init-args"),
     )
     for note, value in written.notes.items():
         print(f"{note}: {value:.4f}")
     print(f"wrote {written.html} (grids and trajectories in {written.results})")
     return 0
+
+
+def _json_object(text: str | None, option: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DynamicsError(f"{option} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise DynamicsError(f"{option} must be a JSON object, got {text}")
+    return value
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -1,59 +1,266 @@
-"""Rebuilding a run's model offline from what the run file recorded at fit time."""
+"""Rebuilding a run's model offline from what the run file recorded at fit time.
+
+At fit time the recorder stores the module's class path and init args (:func:`module_record`):
+the hyperparameters Lightning saved (``save_hyperparameters``), and the names of the
+``__init__`` arguments it did not save or that JSON cannot hold. That is all that can be known:
+an argument that was not saved may have had its default or any other value. So
+:func:`rebuild_module` refuses a class whose init args are incomplete rather than fill them
+with defaults (a different width fails on shapes; a different label smoothing gives wrong
+losses silently) and says what to pass instead: the missing args as JSON, or a factory.
+
+A class defined in the training script (``__main__``) or in a file that is not importable is
+named with ``model="path/to/file.py:Class"``; a module of the working directory imports as it
+would in ``python -c``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from dynamics.batch_tree import unflatten_batch
 from dynamics.errors import DynamicsError
+from dynamics.params import load_state
 from dynamics.store import Run, names
 
 
-def rebuild_module(run: Run) -> nn.Module:
-    """The run's module class, instantiated with its recorded init args, at θ0.
+def module_record(module: nn.Module) -> dict[str, Any]:
+    """What the run file stores to rebuild ``module``: ``class_path``, the JSON ``init_args``
+    it saved as hyperparameters, and ``unrecorded_init_args``, the ``__init__`` arguments it
+    did not save or whose values JSON cannot hold (modules, dtypes, functions)."""
+    cls = type(module)
+    hparams = dict(getattr(module, "hparams", {}) or {})
+    init_args, unrecorded = {}, []
+    for name, value in hparams.items():
+        try:
+            init_args[name] = json.loads(json.dumps(value))
+        except (TypeError, ValueError):
+            unrecorded.append(name)
+    unrecorded += [name for name in _init_parameters(cls) if name not in hparams]
+    return {
+        "class_path": f"{cls.__module__}.{cls.__qualname__}",
+        "init_args": init_args,
+        "unrecorded_init_args": sorted(unrecorded),
+    }
+
+
+def rebuild_module(
+    run: Run, model: str | None = None, init_args: Mapping[str, Any] | None = None
+) -> nn.Module:
+    """The run's model at θ0, with θ0's buffers.
+
+    Args:
+        run: the run file.
+        model: what to build instead of importing the recorded class: ``"pkg.module:name"``
+            or ``"path/to/file.py:name"``, a class (given the recorded init args, completed
+            or overridden by ``init_args``) or a factory (given ``init_args`` only, and
+            trusted to build the model as trained).
+        init_args: init args that complete or override the recorded ones.
 
     Raises:
-        DynamicsError: the class cannot be imported or instantiated from the recorded args
-            (e.g. a module whose ``__init__`` takes objects that were not saved as hparams).
+        DynamicsError: the class or factory cannot be imported or called, init args are
+            missing, or the model built differs from the run's parameters or buffers.
     """
     spec = run.attrs.get(names.ATTR_MODULE) or {}
     class_path = spec.get("class_path", "")
-    module_name, _, class_name = class_path.rpartition(".")
+    target = _target(model) if model else _recorded_class(run, class_path)
+    given = dict(init_args or {})
+    if inspect.isclass(target):
+        args = {**(spec.get("init_args") or {}), **given}
+        unrecorded = set(spec.get("unrecorded_init_args", ()))
+        unrecorded |= {n for n in _init_parameters(target) if n not in args}
+        missing = sorted(unrecorded - set(given))
+        if missing:
+            example = json.dumps(dict.fromkeys(missing, "..."))
+            raise DynamicsError(
+                f"{run.path.name}: init args {', '.join(missing)} of {target.__qualname__} were "
+                "not recorded (not saved with save_hyperparameters(), or not JSON), and their "
+                f"defaults may not be the run's; pass them with --init-args '{example}', or a "
+                "factory that builds the model with --model pkg.module:function"
+            )
+    else:
+        args = given
+    name = getattr(target, "__qualname__", repr(target))
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        module = cls(**(spec.get("init_args") or {}))
+        module = target(**args)
     except Exception as error:  # any failure of user code means: cannot rebuild offline
-        raise DynamicsError(
-            f"{run.path.name}: cannot rebuild model {class_path or '(not recorded)'} offline "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
-        ) from None
-    from dynamics.params import load_vector
-
-    theta0 = run.vector(names.THETA0)
-    if theta0 is None or run.layout is None:
-        raise DynamicsError(f"{run.path.name}: no θ0 or parameter layout recorded")
-    try:
-        load_vector(module, torch.from_numpy(theta0), run.layout)
-    except ValueError as error:
-        raise DynamicsError(f"{run.path.name}: rebuilt model does not match: {error}") from None
+        raise DynamicsError(f"{run.path.name}: {name}(...) failed: {_one_line(error)}") from None
+    if not isinstance(module, nn.Module):
+        raise DynamicsError(f"{run.path.name}: {name}(...) returned {type(module).__name__}")
+    _load_theta0(run, module, args)
     return module
 
 
 def probe_batch(run: Run) -> Any:
-    """The stored probe batch (``probe_batch.<i>`` vectors) as a tuple of tensors.
+    """The stored probe batch, rebuilt with its structure (dicts, lists, tuples, named
+    tuples; see :mod:`dynamics.batch_tree`).
+
+    A file from before the structure was stored gives its tensors as a tuple (one tensor
+    alone when there is one).
 
     Raises:
-        DynamicsError: the run stores no probe batch.
+        DynamicsError: the run stores no probe batch, or one that cannot be rebuilt.
     """
     leaf_names = sorted(
         (n for n in run.vector_names if n.startswith(names.PROBE_BATCH_PREFIX)),
         key=lambda n: int(n.rpartition(".")[2]),
     )
     leaves = [run.vector(n) for n in leaf_names]
-    if not leaves or any(leaf is None for leaf in leaves):
+    structure = next(
+        (
+            probe["settings"][names.PROBE_BATCH_STRUCTURE]
+            for probe in run.attrs.get(names.ATTR_PROBES) or ()
+            if names.PROBE_BATCH_STRUCTURE in (probe.get("settings") or {})
+        ),
+        None,
+    )
+    if any(leaf is None for leaf in leaves) or not (leaves or structure):
         raise DynamicsError(f"{run.path.name}: no probe batch stored (record with GradientPlane)")
-    tensors = tuple(torch.from_numpy(leaf) for leaf in leaves)
-    return tensors if len(tensors) > 1 else tensors[0]
+    tensors = [torch.from_numpy(leaf) for leaf in leaves]
+    if structure is None:
+        return tuple(tensors) if len(tensors) > 1 else tensors[0]
+    try:
+        return unflatten_batch(structure, tensors)
+    except ValueError as error:
+        raise DynamicsError(f"{run.path.name}: {error}") from None
+
+
+def _load_theta0(run: Run, module: nn.Module, args: Mapping[str, Any]) -> None:
+    if run.layout is None:
+        raise DynamicsError(f"{run.path.name}: no parameter layout recorded")
+    theta0 = run.stored_states()[0]
+    try:
+        load_state(module, theta0.theta, run.layout, theta0.buffers, run.buffer_layout)
+    except ValueError as error:
+        raise DynamicsError(
+            f"{run.path.name}: the rebuilt model differs from the run's ({error}); were these "
+            f"its init args? {json.dumps(dict(args), default=str)}"
+        ) from None
+
+
+def _init_parameters(cls: type) -> list[str]:
+    """The named arguments of ``cls.__init__`` (not ``*args``/``**kwargs``, which cannot be
+    told apart from nothing passed)."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in kinds]
+
+
+def _recorded_class(run: Run, class_path: str) -> Any:
+    if not class_path:
+        raise DynamicsError(f"{run.path.name}: no model class recorded; pass --model")
+    module_name, _, qualname = class_path.partition(".")
+    if module_name == "__main__":
+        raise DynamicsError(
+            f"{run.path.name}: model {qualname} was defined in the training script (__main__), "
+            f"which cannot be imported; pass --model path/to/script.py:{qualname}"
+        )
+    if "<locals>" in class_path:
+        raise DynamicsError(
+            f"{run.path.name}: model {class_path} was defined inside a function; pass "
+            "--model pkg.module:factory (or path/to/file.py:factory)"
+        )
+    # The module path and the class's qualified name share dots: the longest importable
+    # prefix is the module.
+    parts = class_path.split(".")
+    first_error: Exception | None = None
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            with _importable_working_directory():
+                module = importlib.import_module(module_name)
+        except ImportError as error:
+            first_error = first_error or error
+            continue
+        except Exception as error:  # the user's module raised while importing
+            raise DynamicsError(f"importing {module_name} failed: {_one_line(error)}") from None
+        return _attribute(module, ".".join(parts[cut:]), class_path)
+    raise DynamicsError(
+        f"{run.path.name}: cannot import model {class_path} ({_one_line(first_error)}); run "
+        f"from the folder it imports from, or pass --model path/to/file.py:{parts[-1]}"
+    )
+
+
+def _target(spec: str) -> Any:
+    """The callable named by ``pkg.module:name`` or ``path/to/file.py:name``."""
+    location, _, attribute = spec.rpartition(":")
+    if not location or not attribute:
+        raise DynamicsError(
+            f"--model must be pkg.module:name or path/to/file.py:name, got {spec!r}"
+        )
+    if location.endswith(".py") or "/" in location or os.sep in location:
+        module = _module_from_file(Path(location), spec)
+    else:
+        try:
+            with _importable_working_directory():
+                module = importlib.import_module(location)
+        except Exception as error:
+            raise DynamicsError(f"--model {spec}: {_one_line(error)}") from None
+    target = _attribute(module, attribute, spec)
+    if not callable(target):
+        raise DynamicsError(f"--model {spec}: {attribute} is not a class or function")
+    return target
+
+
+def _module_from_file(path: Path, spec: str) -> Any:
+    if not path.is_file():
+        raise DynamicsError(f"--model {spec}: no such file {path}")
+    path = path.resolve()
+    # Not "__main__": a script's `if __name__ == "__main__":` training stays off.
+    name = f"_dynamics_model_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up while it runs
+    try:
+        with _importable_working_directory(path.parent):
+            loader_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as error:
+        del sys.modules[name]
+        raise DynamicsError(
+            f"--model {spec}: running {path.name} failed: {_one_line(error)}"
+        ) from None
+    return module
+
+
+def _attribute(module: Any, qualname: str, spec: str) -> Any:
+    target = module
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise DynamicsError(f"{spec}: {module.__name__} has no {qualname}")
+    return target
+
+
+@contextlib.contextmanager
+def _importable_working_directory(*folders: Path) -> Iterator[None]:
+    """Modules of the working directory (and ``folders``) importable while importing, as
+    ``python -c`` would make them, after the installed packages so as to shadow none."""
+    added = [str(p) for p in (*folders, Path.cwd()) if str(p) not in sys.path]
+    sys.path.extend(added)
+    try:
+        yield
+    finally:
+        for entry in added:
+            sys.path.remove(entry)
+
+
+def _one_line(error: BaseException | None) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

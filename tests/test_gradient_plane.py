@@ -40,7 +40,12 @@ def test_g0_and_probe_batch_are_the_first_batch_and_its_gradient(tmp_path, quiet
     )
     assert "plane" not in run.groups  # no plane known: g0 and the batch only
     (probe,) = run.attrs["probes"]
-    assert probe["settings"] == {"mode": "eval", "loss": "dynamics_loss"}
+    assert probe["settings"] == {
+        "mode": "eval",
+        "loss": "dynamics_loss",
+        "probe_batch_structure": {"list": [{"tensor": 0}, {"tensor": 1}]},
+    }
+    assert isinstance(batch, list)  # as the DataLoader gave it
 
 
 def _g0(module, batch, mode: str) -> torch.Tensor:

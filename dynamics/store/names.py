@@ -11,7 +11,8 @@ ATTR_CONFIG = "config"
 ATTR_VERSIONS = "versions"
 ATTR_LAYOUT = "layout"
 ATTR_THETA0_SHA256 = "theta0_sha256"
-ATTR_MODULE = "module"  # {"class_path": ..., "init_args": {...}}
+ATTR_MODULE = "module"  # {"class_path", "init_args": {...}, "unrecorded_init_args": [...]}
+ATTR_BUFFERS = "buffers"  # the persistent buffers' layout: names, shapes, dtypes, unstored
 ATTR_PROBES = "probes"  # [{"class", "name", "every_n_steps", "settings"}, ...]
 # What the fit was, recorded at its first batch so that runs of any project can be compared.
 ATTR_SUBMODULES = "submodules"  # {module name: [class path, extra_repr()]}
@@ -58,6 +59,17 @@ G0 = "g0"
 PLANE_U = "plane_u"
 PLANE_V = "plane_v"
 PROBE_BATCH_PREFIX = "probe_batch."  # probe_batch.<i>: the i-th tensor leaf of the batch
+PROBE_BATCH_STRUCTURE = "probe_batch_structure"  # key of GradientPlane's settings: the batch's tree
+THETA_FINAL_STEP = "theta_final_step"  # the optimizer steps taken when θT was stored
+# Buffers stored with θ0 and θT: one flat vector per stored dtype, <prefix>.<dtype> (e.g.
+# theta0_buffers.float32); snapshots hold them as the series buffers.<dtype>.
+THETA0_BUFFERS = "theta0_buffers"
+THETA_FINAL_BUFFERS = "theta_final_buffers"
+
+
+def buffer_vector(prefix: str, dtype: str) -> str:
+    """The vector (or snapshot series) holding the buffers stored as ``dtype`` under ``prefix``."""
+    return f"{prefix}.{dtype}"
 
 
 def float_bits(probe: str) -> str:
@@ -85,6 +97,7 @@ DISPLACEMENT_UPDATE = "update"
 
 SNAPSHOTS = "snapshots"
 SNAPSHOT_THETA = "theta"
+SNAPSHOT_BUFFERS = "buffers"  # series buffers.<dtype>: the buffers stored with each snapshot
 
 HESSIAN = "hessian"
 HESSIAN_EIGENVALUES = "eigenvalues"

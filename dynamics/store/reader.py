@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import h5py
 import numpy as np
 
+from dynamics.errors import DynamicsError
 from dynamics.store import names
 from dynamics.store.schema import (
     BFLOAT16,
@@ -33,7 +35,9 @@ from dynamics.store.schema import (
 from dynamics.store.views import STANDARD_VIEWS, standard_view
 
 if TYPE_CHECKING:
-    from dynamics.params import ParameterLayout
+    from torch import nn
+
+    from dynamics.params import BufferLayout, ParameterLayout
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,24 @@ class Metric:
     values: np.ndarray
 
 
+@dataclass(frozen=True)
+class StoredState:
+    """One state of the model a run stored: its parameters and, when recorded, its buffers.
+
+    Attributes:
+        step: optimizer steps taken before it (θ0: 0; θT: the run's steps).
+        source: ``"theta0"``, ``"snapshot"`` or ``"theta_final"``.
+        theta: flat parameters in the run's :attr:`Run.layout`.
+        buffers: ``{stored dtype: flat buffers}`` in the run's :attr:`Run.buffer_layout`, or
+            None when the run recorded none (a file from before buffers were stored).
+    """
+
+    step: int
+    source: str
+    theta: np.ndarray
+    buffers: dict[str, np.ndarray] | None
+
+
 class _Declared(NamedTuple):
     """What a series' dataset says about it before any row is read."""
 
@@ -159,6 +181,103 @@ class Run:
 
         data = self.attrs.get(names.ATTR_LAYOUT)
         return ParameterLayout.from_dict(data) if data else None
+
+    @cached_property
+    def buffer_layout(self) -> BufferLayout | None:
+        """The layout of the module's persistent buffers; None in files from before buffers
+        were recorded."""
+        from dynamics.params import BufferLayout
+
+        data = self.attrs.get(names.ATTR_BUFFERS)
+        return BufferLayout.from_dict(data) if data is not None else None
+
+    def stored_states(self) -> list[StoredState]:
+        """θ0, every parameter snapshot and θT (those stored), in step order.
+
+        Raises:
+            RunFileError: the run stores no θ0 (record with ParameterDisplacement).
+        """
+        theta0 = self.vector(names.THETA0)
+        if theta0 is None:
+            raise RunFileError(f"{self.path.name}: no θ0 stored (record ParameterDisplacement)")
+        states = [StoredState(0, "theta0", theta0, self._stored_buffers(names.THETA0_BUFFERS))]
+        snapshots = self.recorded(names.SNAPSHOTS)
+        if snapshots is not None:
+            keys = [names.buffer_vector(names.SNAPSHOT_BUFFERS, d) for d in self._buffer_dtypes()]
+            recorded = self.buffer_layout is not None and all(k in snapshots.values for k in keys)
+            for i, step in enumerate(snapshots.step):
+                buffers = (
+                    {d: snapshots[k][i] for d, k in zip(self._buffer_dtypes(), keys)}
+                    if recorded
+                    else None
+                )
+                theta = snapshots[names.SNAPSHOT_THETA][i]
+                states.append(StoredState(int(step), "snapshot", theta, buffers))
+        final = self.vector(names.THETA_FINAL)
+        if final is not None:
+            buffers = self._stored_buffers(names.THETA_FINAL_BUFFERS)
+            states.append(StoredState(self._final_step(), "theta_final", final, buffers))
+        return states
+
+    def load_into(self, model: nn.Module, step: int | None = None) -> StoredState:
+        """Load a stored state into ``model`` in place: its parameters and buffers.
+
+        Args:
+            model: a module of the run's parameter layout (its own instance, or
+                :func:`dynamics.rebuild.rebuild_module`'s).
+            step: the stored state nearest this optimizer step is loaded (θ0 counts as step
+                0, θT as the run's number of steps; the earlier on a tie); None: θT, or the
+                latest state stored when the run ended before storing θT.
+
+        Returns:
+            The state loaded.
+
+        Raises:
+            RunFileError: the run stores no θ0 or no parameter layout.
+            DynamicsError: the model's parameters or buffers differ from the run's.
+
+        Warns:
+            UserWarning: the model has persistent buffers and the run recorded none: the model
+                keeps its own (e.g. BatchNorm's initial running statistics), not the run's.
+        """
+        from dynamics.params import BufferLayout, load_state
+
+        if self.layout is None:
+            raise RunFileError(f"{self.path.name}: no parameter layout recorded")
+        states = self.stored_states()
+        state = states[-1] if step is None else min(states, key=lambda s: abs(s.step - step))
+        try:
+            load_state(model, state.theta, self.layout, state.buffers, self.buffer_layout)
+        except ValueError as error:
+            raise DynamicsError(
+                f"{self.path.name}: the model differs from the run's: {error}"
+            ) from None
+        if state.buffers is None and BufferLayout.of(model).names:
+            warnings.warn(
+                f"{self.path.name}: no buffers recorded; the model keeps its own", stacklevel=2
+            )
+        return state
+
+    def _buffer_dtypes(self) -> tuple[str, ...]:
+        return self.buffer_layout.stored_dtypes if self.buffer_layout is not None else ()
+
+    def _stored_buffers(self, prefix: str) -> dict[str, np.ndarray] | None:
+        if self.buffer_layout is None:
+            return None
+        vectors = {d: self.vector(names.buffer_vector(prefix, d)) for d in self._buffer_dtypes()}
+        return None if any(v is None for v in vectors.values()) else vectors
+
+    def _final_step(self) -> int:
+        step = self.vector(names.THETA_FINAL_STEP)
+        if step is not None:
+            return int(step[0])
+        # Files from before the step was stored: one past the last recorded training step.
+        last = [
+            rows.step[-1]
+            for rows in (self.train_loss(), self.recorded(names.SNAPSHOTS))
+            if rows is not None
+        ]
+        return int(max(last)) + 1 if last else 0
 
     @property
     def theta0_sha256(self) -> str | None:

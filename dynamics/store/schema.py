@@ -3,7 +3,10 @@
 Layout of a run file (HDF5, one per run)::
 
     /                       attrs: schema, schema_version, config, versions, layout,
-                                   theta0_sha256, module, probes, and what the fit is —
+                                   buffers (the persistent buffers' names, shapes, dtypes),
+                                   theta0_sha256, module (class path, init args, the names of
+                                   init args not recorded), probes (GradientPlane's settings
+                                   hold the probe batch's structure), and what the fit is —
                                    submodules, optimizers, schedulers, precision, data (files
                                    from before these lack them) (JSON strings where structured)
     /series/<group>/step    int64 (n,), the optimizer step of each row, strictly increasing
@@ -12,7 +15,10 @@ Layout of a run file (HDF5, one per run)::
                             the series is drawn (see :class:`View`), attr ``encoding`` when the
                             stored values need decoding (``bfloat16``: the uint16 upper halves
                             of float32 values)
-    /vectors/<name>         vectors written once: θ0, θ_T, initial gradients, probe batches
+    /vectors/<name>         vectors written once: θ0, θ_T (and its step), their buffers (one
+                            flat vector per stored dtype: theta0_buffers.float32, ...),
+                            initial gradients, probe batch leaves; snapshots hold their
+                            buffers as series snapshots/buffers.<dtype>
     /events/step            int64 (n,), non-decreasing: what probes reported, one row each
     /events/{probe,kind,message}  fixed-length UTF-8 strings (kind: disabled, error, warning)
     /status/<field>         scalars updated in place: state (running, finished, crashed),
