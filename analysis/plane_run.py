@@ -12,11 +12,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamics.analysis.landscape import LossSurface
 from dynamics.analysis.output import check_output
 from dynamics.analysis.plane_report import write_plane_html
 from dynamics.analysis.plane_views import initial_gradient_plane, plane_views, save_views
 from dynamics.errors import DynamicsError
+from dynamics.landscape import LossSurface
 from dynamics.rebuild import probe_batch, rebuild_module
 from dynamics.store import Run, open_run
 

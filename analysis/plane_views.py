@@ -15,8 +15,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from dynamics.analysis.landscape import LossSurface, evaluate_grid
 from dynamics.errors import DynamicsError
+from dynamics.landscape import LossSurface, evaluate_grid
 from dynamics.plane import (
     Grid,
     Plane,

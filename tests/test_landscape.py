@@ -1,4 +1,4 @@
-"""Loss heatmaps over planes (dynamics.analysis.landscape)."""
+"""Loss heatmaps over planes (dynamics.landscape)."""
 
 from pathlib import Path
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dynamics.analysis.landscape import LossSurface, evaluate_grid
+from dynamics.landscape import LossSurface, evaluate_grid
 from dynamics.params import ParameterLayout, parameter_vector
 from dynamics.plane import Grid, Plane, plane_from_gradients
 
