@@ -16,7 +16,8 @@ from plotly.subplots import make_subplots
 
 from dynamics import __version__
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, write_page
-from dynamics.analysis.plane_views import PlaneView
+from dynamics.analysis.plane_views import plane_label
+from dynamics.landscape import PlaneView
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
@@ -89,13 +90,11 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
                 row=row,
                 col=col,
             )
-        axis = "u (a)" if view.plane.kind == "gradients" else "p̂ (in-plane direction)"
-        figure.update_xaxes(title_text=axis, row=row, col=col)
-        figure.update_yaxes(
-            title_text="v (b)" if view.plane.kind == "gradients" else "w (out of plane)",
-            row=row,
-            col=col,
+        second = view.plane.kind == "out-of-plane"
+        figure.update_xaxes(
+            title_text="p̂ (in-plane direction)" if second else "u (a)", row=row, col=col
         )
+        figure.update_yaxes(title_text="w (out of plane)" if second else "v (b)", row=row, col=col)
     figure.update_layout(
         height=480 * rows,
         template="plotly_white",
@@ -106,10 +105,10 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
 
 
 def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
-    """Loss at each real checkpoint against the loss read off the initial-gradient plane."""
+    """Loss at each real checkpoint against the loss read off the (first) plane."""
     figure = go.Figure()
     for view in views:
-        if view.plane.kind != "gradients":
+        if view.plane.kind == "out-of-plane":
             continue
         for t in view.trajectories:
             if t.run != view.run:
@@ -124,7 +123,7 @@ def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
                 )
             )
     figure.update_layout(
-        title="Loss at real checkpoints vs loss read off the initial-gradient plane",
+        title="Loss at real checkpoints vs loss read off the plane",
         xaxis_title="step",
         yaxis_title="loss (probe batch)",
         yaxis_type="log",
@@ -137,6 +136,7 @@ def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
 def write_plane_html(
     views: list[PlaneView],
     out: Path,
+    remarks: list[str] = (),
     *,
     static_dir: str | os.PathLike | None = None,
     static_format: str = "png",
@@ -148,8 +148,9 @@ def write_plane_html(
     grids are computed.
 
     Args:
-        views: the plane views, as :func:`dynamics.analysis.plane_views.plane_views` returns.
+        views: the plane views, evaluated (see :mod:`dynamics.analysis.plane_views`).
         out: the HTML file.
+        remarks: lines shown above the figures (how the plane was chosen, what is missing).
         static_dir: also export both figures into this folder (see
             :func:`dynamics.analysis.page.write_page`).
         static_format: ``"png"`` or ``"svg"``.
@@ -163,13 +164,17 @@ def write_plane_html(
         ("plane-heatmaps", heatmap_figure(views)),
         ("plane-checkpoint-loss", checkpoint_loss_figure(views)),
     ]
+    first = next((v.plane for v in views if v.plane.kind != "out-of-plane"), None)
+    heading = plane_label(first) if first is not None else "plane"
     body = "".join(
         [
-            "<h1>Initial-gradient plane and out-of-plane views</h1>",
+            f"<h1>{html.escape(heading[0].upper() + heading[1:])} and out-of-plane views</h1>",
             f"<p class='meta'>{html.escape(', '.join(dict.fromkeys(v.run for v in views)))}"
             f" · dynamics {__version__}</p>",
-            "<p>Heatmaps: log10 of each run's loss on its stored probe batch at θ0 + a·u + b·v "
-            "(models in eval mode). Circles mark θ0, stars θT.</p>",
+            *(f"<p>{html.escape(remark)}</p>" for remark in remarks),
+            "<p>Heatmaps: log10 of each run's loss on its stored probe batch at θ0 + a·u + b·v. "
+            "Circles mark θ0, stars θT.</p>",
+            html_table(("heatmap", "evaluated"), [(v.title, v.source) for v in views]),
             html_table(("note", "value"), sorted(notes.items())),
             *(figure_html(figure, i) for i, (_, figure) in enumerate(figures)),
         ]
