@@ -165,17 +165,16 @@ def _evaluate_share(
             "gloo", init_method=f"file://{folder / 'rendezvous'}", rank=rank, world_size=world_size
         )
     trajectory_points = sum(4 * len(job.chosen.checkpoints[name][0]) for name in job.surfaces)
+    total = trajectory_points + 2 * job.grid_side**2 * len(job.surfaces)
     bar = tqdm(
-        total=trajectory_points + 2 * job.grid_side**2 * len(job.surfaces),
-        unit="pt",
-        desc="plane losses",
-        disable=not job.progress or rank != 0,
+        total=total, unit="pt", desc="plane losses", disable=not job.progress or rank or not total
     )
     try:
         views = planned_views(
             job.runs, job.chosen, job.surfaces, job.stored, job.grid_side, job.margin, bar
         )
         bar.total = trajectory_points + points_to_evaluate(views)
+        bar.refresh()
         if rank == 0:
             with views_file(views, job.results, job.remarks) as write_rows:
                 views = evaluate_views(views, job.surfaces, bar, distributed, write_rows)
