@@ -184,9 +184,8 @@ def stored_views(run: Run, plane: Plane) -> StoredViews | None:
         return grid, losses, Trajectory(run.name, steps[kept].astype(np.int64), **columns)
 
     grid, losses, on_plane = read(names.PLANE_END_VIEWS[0])
-    plane_view = PlaneView(
-        f"{plane_label(plane)}, loss of {run.name}", plane, grid, run.name, losses, [], {}, source
-    )
+    title = f"{plane_label(plane)}, loss of {run.name} (in training)"
+    plane_view = PlaneView(title, plane, grid, run.name, losses, [], {}, source)
     second_grid, second_losses, second = read(names.PLANE_END_VIEWS[1])
     basis = [run.vector(names.plane_end(names.PLANE_END_VIEWS[1], w)) for w in ("u", "v")]
     share = in_plane_share(on_plane)
@@ -194,7 +193,7 @@ def stored_views(run: Run, plane: Plane) -> StoredViews | None:
         plane.origin, *basis, "out-of-plane", {"in_plane_share": share, "parent_kind": plane.kind}
     )
     out_of_plane = PlaneView(
-        f"out-of-plane view of {run.name} (p̂, w)",
+        f"out-of-plane view of {run.name} (p̂, w) (in training)",
         second_plane,
         second_grid,
         run.name,
@@ -204,6 +203,25 @@ def stored_views(run: Run, plane: Plane) -> StoredViews | None:
         source,
     )
     return StoredViews(on_plane, plane_view, out_of_plane)
+
+
+def recorded_views(run: Run) -> list[PlaneView] | None:
+    """The views one run evaluated at the end of its fit, each with its own trajectory only;
+    None if it has none."""
+    theta0, u, v = (run.vector(n) for n in (names.THETA0, names.PLANE_U, names.PLANE_V))
+    if theta0 is None or u is None or v is None:
+        return None
+    probes = run.attrs.get(names.ATTR_PROBES, [])
+    at_end = next((p["settings"].get("at_end") for p in probes if p["name"] == names.PLANE), None)
+    plane = Plane(theta0, u, v, (at_end or {}).get("kind", "gradients"))
+    stored = stored_views(run, plane)
+    if stored is None:
+        return None
+    share = stored.out_of_plane.notes
+    return [
+        replace(stored.plane_view, trajectories=[stored.trajectory], notes=share),
+        stored.out_of_plane,
+    ]
 
 
 def planned_views(

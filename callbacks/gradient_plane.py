@@ -184,6 +184,7 @@ class GradientPlane(Probe):
         settings = self._loss.settings()
         if self.at_end:
             settings["at_end"] = {
+                "kind": None if self.plane is None else self.plane.kind,
                 "grid": self.grid,
                 "margin": self.margin,
                 "checkpoints": self.checkpoints,

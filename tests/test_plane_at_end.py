@@ -122,7 +122,12 @@ def test_views_evaluated_at_the_end_of_fit_equal_a_direct_evaluation(cnn_runs):
         assert plane_loss[-1] == pytest.approx(direct_loss(module, projection, batch), rel=1e-5)
     assert run.vector(names.plane_end("out_of_plane", "trajectory"))[len(kept) - 1, 2] < 1e-4
     (probe, _) = run.attrs["probes"]
-    assert probe["settings"]["at_end"] == {"grid": 5, "margin": 0.25, "checkpoints": 4}
+    assert probe["settings"]["at_end"] == {
+        "kind": "gradients",
+        "grid": 5,
+        "margin": 0.25,
+        "checkpoints": 4,
+    }
 
 
 def test_evaluating_at_the_end_of_fit_never_perturbs_training(tmp_path, quiet_trainer):
@@ -303,3 +308,12 @@ def test_processes_default_to_the_available_cores(two_learning_rates, tmp_path, 
     with pytest.raises(Started):
         main(["plane", *map(str, two_learning_rates), "-o", str(tmp_path / "p.html")])
     assert started == [3]
+
+
+def test_report_draws_the_views_evaluated_in_training(cnn_runs, dynamics, tmp_path):
+    folder, _ = cnn_runs
+    out = tmp_path / "r.html"
+    result = dynamics("report", folder / "b.h5", "-o", out)
+    assert result.returncode == 0, result.stderr
+    page = out.read_text()
+    assert "out-of-plane view of b" in page and "initial-gradient plane, loss of b" in page
