@@ -37,23 +37,44 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
     color = {run: _COLORS[i % len(_COLORS)] for i, run in enumerate(runs)}
     # One color scale for every panel, so the single colorbar reads right on all of them.
     logs = [np.log10(view.losses) for view in views]
-    zmin = min(np.nanmin(z) for z in logs)
-    zmax = max(np.nanmax(z) for z in logs)
+    coarse = [None if v.coarse_losses is None else np.log10(v.coarse_losses) for v in views]
+    shown = [z for z in logs + coarse if z is not None and np.isfinite(z).any()]
+    zmin = min(np.nanmin(z) for z in shown)
+    zmax = max(np.nanmax(z) for z in shown)
     for index, view in enumerate(views):
         row, col = index // columns + 1, index % columns + 1
+        if view.coarse_grid is not None:  # the coarse grid underneath, the refined points on top
+            figure.add_trace(
+                go.Contour(
+                    x=view.coarse_grid.alphas,
+                    y=view.coarse_grid.betas,
+                    z=coarse[index],
+                    zmin=zmin,
+                    zmax=zmax,
+                    colorscale="Viridis",
+                    ncontours=30,
+                    showscale=False,
+                    name=f"loss of {view.run}, coarse grid",
+                    hovertemplate="a=%{x:.3g}<br>b=%{y:.3g}<br>log10 loss=%{z:.3f}"
+                    "<extra>coarse</extra>",
+                ),
+                row=row,
+                col=col,
+            )
+        kind = go.Contour if view.refine is None else go.Heatmap  # a heatmap leaves gaps
         figure.add_trace(
-            go.Contour(
+            kind(
                 x=view.grid.alphas,
                 y=view.grid.betas,
                 z=logs[index],
                 zmin=zmin,
                 zmax=zmax,
                 colorscale="Viridis",
-                ncontours=30,
                 showscale=index == 0,
                 colorbar={"title": "log10 loss"},
                 name=f"loss of {view.run}",
                 hovertemplate="a=%{x:.3g}<br>b=%{y:.3g}<br>log10 loss=%{z:.3f}<extra></extra>",
+                **({"ncontours": 30} if view.refine is None else {"hoverongaps": False}),
             ),
             row=row,
             col=col,

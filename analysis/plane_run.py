@@ -32,7 +32,7 @@ from dynamics.analysis.plane_views import (
 from dynamics.errors import DynamicsError
 from dynamics.landscape import LossSurface
 from dynamics.rebuild import probe_batch, rebuild_module
-from dynamics.store import Run, open_run
+from dynamics.store import Run, names, open_run
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class _Job:
     stored: dict[str, StoredViews]
     grid_side: int
     margin: float
+    coarse: int | None
     progress: bool
     html: Path
     results: Path
@@ -82,6 +83,7 @@ def write_plane(
     plane: str = "auto",
     grid_side: int = 41,
     margin: float = 0.25,
+    coarse: int | None = None,
     processes: int | None = None,
     progress: bool = False,
 ) -> PlaneWritten:
@@ -99,6 +101,9 @@ def write_plane(
         plane: one of :data:`~dynamics.analysis.plane_views.PLANE_CHOICES`.
         grid_side: grid points per axis.
         margin: extra fraction of the trajectories' range on each side of a grid.
+        coarse: coarse to fine: a ``coarse``×``coarse`` grid over each view first, then the
+            ``grid_side`` points only near the trajectories (see
+            :func:`~dynamics.analysis.plane_views.planned_views`).
         processes: split every grid across this many processes (forked, gloo); default: the
             cores this process may use.
         progress: one progress bar, with an estimate of the time left, over every evaluation.
@@ -112,6 +117,8 @@ def write_plane(
     processes = available_cores() if processes is None else processes
     if processes < 1:
         raise DynamicsError(f"--processes must be at least 1, got {processes}")
+    if coarse is not None and not 2 <= coarse <= grid_side:
+        raise DynamicsError(f"--coarse must be between 2 and --grid ({grid_side}), got {coarse}")
     inputs = (run_a, run_b)
     html = check_output(out_path, overwrite, inputs)
     results = check_output(html.with_suffix(".h5"), overwrite, inputs)
@@ -126,9 +133,15 @@ def write_plane(
             surfaces[run.name] = LossSurface(rebuild_module(run), run.layout, probe_batch(run))
         except DynamicsError as error:
             if not stored:
-                raise
+                elsewhere = [r.name for r in runs if names.PLANE_END_STEPS in r.vector_names]
+                hint = (
+                    f"; {', '.join(elsewhere)} stored views on another plane" if elsewhere else ""
+                )
+                raise DynamicsError(f"{error}{hint}") from None
             remarks.append(f"no heatmaps of {run.name}: {error}")
-    job = _Job(runs, chosen, surfaces, stored, grid_side, margin, progress, html, results, remarks)
+    job = _Job(
+        runs, chosen, surfaces, stored, grid_side, margin, coarse, progress, html, results, remarks
+    )
     if processes == 1 or not surfaces:
         return PlaneWritten(html, results, _evaluate_share(0, job), remarks)
     import torch.multiprocessing as mp
@@ -171,7 +184,14 @@ def _evaluate_share(
     )
     try:
         views = planned_views(
-            job.runs, job.chosen, job.surfaces, job.stored, job.grid_side, job.margin, bar
+            job.runs,
+            job.chosen,
+            job.surfaces,
+            job.stored,
+            job.grid_side,
+            job.margin,
+            bar,
+            job.coarse,
         )
         bar.total = trajectory_points + points_to_evaluate(views)
         bar.refresh()

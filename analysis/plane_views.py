@@ -38,6 +38,7 @@ from dynamics.plane import (
     Grid,
     Plane,
     covering_grid,
+    near_paths,
     out_of_plane_view,
     pca_plane,
     plane_from_gradient_and_endpoints,
@@ -56,8 +57,9 @@ _LABELS = {
     "pca": "PCA plane of both runs' snapshots",
     "random-filter-normalized": "random filter-normalized plane",
 }
-#: Called with ``(view index, first row, rows)`` as each chunk of a heatmap is finished.
-ViewRowsDone = Callable[[int, int, np.ndarray], None]
+#: Called with ``(view index, dataset, first row, rows)`` as each chunk of a heatmap (dataset
+#: ``losses``, or ``coarse_losses``) is finished.
+ViewRowsDone = Callable[[int, str, int, np.ndarray], None]
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,7 @@ def planned_views(
     grid_side: int = 41,
     margin: float = 0.25,
     progress: Progress | None = None,
+    coarse: int | None = None,
 ) -> list[PlaneView]:
     """Both runs on the chosen plane, then each run's out-of-plane view; grids not evaluated.
 
@@ -247,6 +250,9 @@ def planned_views(
         grid_side: grid points per axis (≥ 2).
         margin: extra fraction of the trajectories' range on each side of the grid.
         progress: told of each trajectory loss evaluated.
+        coarse: coarse to fine (2 ≤ ``coarse`` ≤ ``grid_side``): each grid to evaluate gets a
+            ``coarse``×``coarse`` grid over its whole extent, and its own points are evaluated
+            only within one coarse cell of the trajectories drawn on it.
     """
     plane = chosen.plane
     on_plane = {
@@ -281,7 +287,21 @@ def planned_views(
             views.append(
                 _out_of_plane(r.name, plane, chosen, surfaces[r.name], grid_side, margin, progress)
             )
-    return views
+    if coarse is None:
+        return views
+    radius = (grid_side - 1) / (coarse - 1)  # one coarse cell, in fine grid steps
+    return [
+        view
+        if view.losses is not None
+        else replace(
+            view,
+            coarse_grid=Grid(
+                *(np.linspace(x[0], x[-1], coarse) for x in (view.grid.alphas, view.grid.betas))
+            ),
+            refine=near_paths(view.grid, [(t.a, t.b) for t in view.trajectories], radius),
+        )
+        for view in views
+    ]
 
 
 def evaluate_views(
@@ -291,20 +311,35 @@ def evaluate_views(
     distributed: bool = False,
     on_rows: ViewRowsDone | None = None,
 ) -> list[PlaneView]:
-    """``views`` with every grid not yet evaluated evaluated (see :func:`evaluate_grid`)."""
+    """``views`` with every grid not yet evaluated evaluated (see :func:`evaluate_grid`):
+    all coarse grids first, then the full ones (only where they are refined)."""
+
+    def evaluated(index: int, grid: Grid, plane: Plane, run: str, dataset: str, where=None):
+        return evaluate_grid(
+            surfaces[run],
+            plane,
+            grid,
+            progress=progress,
+            distributed=distributed,
+            on_rows=None if on_rows is None else _rows_of(on_rows, index, dataset),
+            where=where,
+        )
+
+    views = [
+        view
+        if view.coarse_grid is None or view.coarse_losses is not None
+        else replace(
+            view,
+            coarse_losses=evaluated(index, view.coarse_grid, view.plane, view.run, "coarse_losses"),
+        )
+        for index, view in enumerate(views)
+    ]
     return [
         view
         if view.losses is not None
         else replace(
             view,
-            losses=evaluate_grid(
-                surfaces[view.run],
-                view.plane,
-                view.grid,
-                progress=progress,
-                distributed=distributed,
-                on_rows=None if on_rows is None else _rows_of(on_rows, index),
-            ),
+            losses=evaluated(index, view.grid, view.plane, view.run, "losses", view.refine),
         )
         for index, view in enumerate(views)
     ]
@@ -312,7 +347,13 @@ def evaluate_views(
 
 def points_to_evaluate(views: list[PlaneView]) -> int:
     """Grid points left to evaluate in ``views``."""
-    return sum(view.grid.size for view in views if view.losses is None)
+    total = 0
+    for view in views:
+        if view.losses is None:
+            total += view.grid.size if view.refine is None else int(view.refine.sum())
+        if view.coarse_grid is not None and view.coarse_losses is None:
+            total += view.coarse_grid.size
+    return total
 
 
 @contextmanager
@@ -340,22 +381,27 @@ def views_file(views: list[PlaneView], path: Path, remarks: list[str]) -> Iterat
                 view.losses if view.losses is not None else np.full(view.grid.shape, np.nan)
             )
             group["u"], group["v"] = view.plane.u, view.plane.v
+            if view.coarse_grid is not None:
+                group["coarse_alphas"] = view.coarse_grid.alphas
+                group["coarse_betas"] = view.coarse_grid.betas
+                group["coarse_losses"] = np.full(view.coarse_grid.shape, np.nan)
+                group["refined"] = view.refine
             for t in view.trajectories:
                 sub = group.create_group(f"trajectory/{t.run}")
                 for name in ("step", "a", "b", "r", "loss", "plane_loss"):
                     sub[name] = getattr(t, name)
         file.flush()
 
-        def write_rows(index: int, first: int, rows: np.ndarray) -> None:
-            file[f"view{index}/losses"][first : first + len(rows)] = rows
+        def write_rows(index: int, dataset: str, first: int, rows: np.ndarray) -> None:
+            file[f"view{index}/{dataset}"][first : first + len(rows)] = rows
             file.flush()
 
         yield write_rows
         file.attrs["complete"] = True
 
 
-def _rows_of(on_rows: ViewRowsDone, index: int) -> Callable[[int, np.ndarray], None]:
-    return lambda first, rows: on_rows(index, first, rows)
+def _rows_of(on_rows: ViewRowsDone, index: int, dataset: str) -> Callable[[int, np.ndarray], None]:
+    return lambda first, rows: on_rows(index, dataset, first, rows)
 
 
 def _out_of_plane(

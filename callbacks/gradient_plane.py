@@ -212,7 +212,9 @@ class GradientPlane(Probe):
             return {}
         theta_final = flatten(self._params).detach().cpu()
         steps = np.array([step for step, _ in self._kept] + [trainer.global_step])
-        thetas = torch.stack([theta for _, theta in self._kept] + [theta_final]).double().numpy()
+        # float32 rows: projections and losses take each row to float64 one at a time.
+        stacked = torch.stack([theta for _, theta in self._kept] + [theta_final])
+        thetas = (stacked if stacked.dtype == torch.float64 else stacked.float()).numpy()
         with side_effect_free(pl_module, self.mode):
             surface = LossSurface(pl_module, self.layout, self._loss.batch, mode=self.mode)
             first = trajectory(names.PLANE, self.plane, steps, thetas, surface)

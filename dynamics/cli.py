@@ -77,6 +77,12 @@ def _build_parser() -> argparse.ArgumentParser:
     plane.add_argument(
         "--span", type=float, default=0.25, help="margin around the trajectories, as a fraction"
     )
+    plane.add_argument(
+        "--coarse",
+        type=int,
+        metavar="N",
+        help="coarse to fine: an N×N grid first, then --grid points only near the trajectories",
+    )
     plane.add_argument("--overwrite", action="store_true", help="replace an existing output")
     plane.add_argument("--no-progress", action="store_true", help="no progress bars")
     plane.add_argument(
@@ -192,6 +198,7 @@ def _plane(args: argparse.Namespace) -> int:
         plane=args.plane_kind,
         grid_side=args.grid,
         margin=args.span,
+        coarse=args.coarse,
         processes=args.processes,
         progress=not args.no_progress,
     )

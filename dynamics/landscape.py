@@ -11,7 +11,7 @@ of fit (``GradientPlane(at_end=True)``) use the same code.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -70,6 +70,11 @@ class PlaneView:
     trajectories: list[Trajectory]
     notes: dict[str, float] = field(default_factory=dict)
     source: str = "offline, by the model rebuilt from the run file, in eval mode"
+    #: Coarse to fine: ``losses`` only at the points of ``refine`` (NaN elsewhere), over a
+    #: coarse grid evaluated everywhere.
+    coarse_grid: Grid | None = None
+    coarse_losses: np.ndarray | None = None
+    refine: np.ndarray | None = None
 
 
 class LossSurface:
@@ -164,11 +169,12 @@ class LossSurface:
             return float(self._current_loss())
 
     @torch.no_grad()
-    def losses_on_plane(self, plane: Plane, grid: Grid, points: range) -> torch.Tensor:
+    def losses_on_plane(self, plane: Plane, grid: Grid, points: Sequence[int]) -> torch.Tensor:
         """Losses at a range of grid points, flattened row-major over ``grid.shape``.
 
-        Point k is (alphas[k % len(alphas)], betas[k // len(alphas)]); a range lets ranks of a
-        distributed evaluation, or a caller that stores results per chunk, take slices. The
+        Point k is (alphas[k % len(alphas)], betas[k // len(alphas)]); increasing indices (a
+        range, or the points a grid is refined at) let ranks of a distributed evaluation, or a
+        caller that stores results per chunk, take slices. The
         parameters at a point are θ0 + b·v formed in float64 and rounded to the module's dtype,
         plus a·u added in that dtype: a few units in the last place from rounding the exact
         point once.
@@ -235,6 +241,7 @@ def evaluate_grid(
     progress: Progress | None = None,
     distributed: bool = False,
     on_rows: RowsDone | None = None,
+    where: np.ndarray | None = None,
 ) -> np.ndarray:
     """The loss at every point θ0 + a·u + b·v of a grid, evaluated a chunk of rows at a time.
 
@@ -250,10 +257,11 @@ def evaluate_grid(
             device kind, dtype and thread-count-independent kernels).
         on_rows: called with ``(first_row, rows)`` as each chunk is finished (e.g. to write it
             out, so an interrupted grid keeps its finished rows).
+        where: evaluate only where this boolean array of ``grid.shape`` is true.
 
     Returns:
         A float64 array of shape ``grid.shape`` = ``(len(betas), len(alphas))``:
-        ``heatmap[i, j]`` is the loss at a = alphas[j], b = betas[i].
+        ``heatmap[i, j]`` is the loss at a = alphas[j], b = betas[i] (NaN outside ``where``).
 
     Raises:
         ValueError: if the plane does not match the surface's layout, or ``distributed`` is
@@ -265,18 +273,19 @@ def evaluate_grid(
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     columns = grid.alphas.size
     rows_per_chunk = -(-world // columns)  # one row, unless the ranks outnumber its points
-    heatmap = np.empty(grid.shape)
+    wanted = np.ones(grid.size, dtype=bool) if where is None else np.ravel(where)
+    heatmap = np.full(grid.shape, np.nan)
     for first in range(0, grid.betas.size, rows_per_chunk):
         last = min(first + rows_per_chunk, grid.betas.size)
-        chunk = range(first * columns, last * columns)
+        chunk = np.flatnonzero(wanted[first * columns : last * columns]) + first * columns
+        if not len(chunk):  # the same on every rank: no rank waits in a collective
+            continue
         per_rank = -(-len(chunk) // world)
-        start = chunk.start + min(rank * per_rank, len(chunk))
-        losses = surface.losses_on_plane(
-            plane, grid, range(start, min(start + per_rank, chunk.stop))
-        )
+        share = chunk[rank * per_rank : (rank + 1) * per_rank].tolist()
+        losses = surface.losses_on_plane(plane, grid, share)
         if world > 1:
             losses = _all_gathered(losses, per_rank)
-        heatmap[first:last] = losses[: len(chunk)].cpu().numpy().reshape(last - first, columns)
+        heatmap.flat[chunk] = losses[: len(chunk)].cpu().numpy()
         if progress is not None:
             progress.update(len(chunk))
         if on_rows is not None:

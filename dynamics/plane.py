@@ -424,6 +424,31 @@ def covering_grid(
     return Grid(*axes)
 
 
+def near_paths(
+    grid: Grid, paths: Iterable[tuple[ArrayLike, ArrayLike]], radius: float
+) -> np.ndarray:
+    """Which grid points lie within ``radius`` grid steps of a path: where to refine a grid.
+
+    Each path is the polyline through its ``(a, b)`` points; distances are measured in units of
+    each axis's mean grid step, so ``radius=1`` is about one cell.
+
+    Returns:
+        A boolean array of shape ``grid.shape``.
+    """
+    steps = np.array([np.diff(grid.alphas).mean(), np.diff(grid.betas).mean()])
+    mesh = np.stack(np.meshgrid(grid.alphas, grid.betas), -1).reshape(-1, 2) / steps
+    near = np.zeros(len(mesh), dtype=bool)
+    for a, b in paths:
+        points = np.stack([np.ravel(a), np.ravel(b)], 1).astype(np.float64) / steps
+        for start, end in zip(points, points[1:] if len(points) > 1 else points):
+            direction = end - start
+            length = float(direction @ direction)
+            t = np.clip((mesh - start) @ direction / length, 0, 1) if length > 0 else 0.0
+            closest = start + np.multiply.outer(t, direction) if length > 0 else start
+            near |= np.linalg.norm(mesh - closest, axis=1) <= radius
+    return near.reshape(grid.shape)
+
+
 def _filter_normalized(
     direction: np.ndarray, theta0: np.ndarray, layout: ParameterLayout
 ) -> np.ndarray:

@@ -160,7 +160,7 @@ def test_at_end_needs_a_plane_during_the_run():
 
 
 def test_plane_command_draws_views_evaluated_in_training_without_the_model(
-    cnn_runs, dynamics, tmp_path
+    cnn_runs, dynamics, one_line_error, tmp_path
 ):
     folder, _ = cnn_runs
     out = tmp_path / "plane.html"
@@ -179,6 +179,11 @@ def test_plane_command_draws_views_evaluated_in_training_without_the_model(
             )
         a_path = views["view0"]["trajectory"]["a"]  # projected from a's snapshots, no losses
         assert np.isfinite(a_path["a"][:]).all() and np.isnan(a_path["loss"][:]).all()
+    swapped = dynamics("plane", folder / "b.h5", folder / "a.h5", "-o", tmp_path / "s.html")
+    one_line_error(swapped)  # u from b's g0: not the plane b evaluated in training
+    assert (
+        "cannot rebuild" in swapped.stderr and "b stored views on another plane" in swapped.stderr
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,3 +322,37 @@ def test_report_draws_the_views_evaluated_in_training(cnn_runs, dynamics, tmp_pa
     assert result.returncode == 0, result.stderr
     page = out.read_text()
     assert "out-of-plane view of b" in page and "initial-gradient plane, loss of b" in page
+
+
+def test_coarse_to_fine_refines_only_near_the_trajectories(two_learning_rates, dynamics, tmp_path):
+    from dynamics.plane import Grid, near_paths
+
+    runs = [*two_learning_rates, "--grid", "17", "--no-progress", "--processes", "1"]
+    full = dynamics("plane", *runs[:2], "-o", tmp_path / "full.html", *runs[2:])
+    refined = dynamics("plane", *runs[:2], "-o", tmp_path / "fine.html", *runs[2:], "--coarse", "9")
+    assert full.returncode == 0 and refined.returncode == 0, refined.stderr
+    with h5py.File(tmp_path / "full.h5") as whole, h5py.File(tmp_path / "fine.h5") as fine:
+        for name in whole:
+            view, reference = fine[name], whole[name]
+            done = np.isfinite(view["losses"][:])
+            paths = [(t["a"][:], t["b"][:]) for t in view["trajectory"].values()]
+            grid = Grid(view["alphas"][:], view["betas"][:])
+            np.testing.assert_array_equal(done, near_paths(grid, paths, 2.0))
+            np.testing.assert_array_equal(done, view["refined"][:])
+            assert 0 < done.sum() < done.size
+            np.testing.assert_array_equal(view["losses"][:][done], reference["losses"][:][done])
+            assert view["coarse_losses"].shape == (9, 9)
+            corners = reference["losses"][:][::2, ::2]  # the coarse grid is every 2nd fine point
+            np.testing.assert_allclose(view["coarse_losses"][:], corners, rtol=1e-6)
+    bad = dynamics("plane", *runs[:2], "-o", tmp_path / "bad.html", "--grid", "5", "--coarse", "9")
+    assert bad.returncode == 2 and "--coarse must be between 2 and --grid (5)" in bad.stderr
+
+
+def test_near_paths_measures_distance_to_segments_in_grid_steps():
+    from dynamics.plane import Grid, near_paths
+
+    grid = Grid(np.arange(5.0), 2 * np.arange(4.0))  # steps 1 along a, 2 along b
+    near = near_paths(grid, [(np.array([0.0, 4.0]), np.array([2.0, 2.0]))], 0.5)
+    np.testing.assert_array_equal(near, np.arange(4)[:, None] == 1 + 0 * np.arange(5)[None, :])
+    one_point = near_paths(grid, [(np.array([2.0]), np.array([4.0]))], 1.0)
+    assert sorted(zip(*np.nonzero(one_point))) == [(1, 2), (2, 1), (2, 2), (2, 3), (3, 2)]
