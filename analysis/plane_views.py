@@ -135,11 +135,15 @@ def choose_plane(
             except CollinearGradients as error:
                 if kind == "gradients":
                     raise
-                reason = (
-                    f"initial gradients coincide ({error}): using the plane of {run_a.name}'s "
-                    "initial gradient and the direction between the two runs' endpoints"
-                )
-            plane = plane_from_gradient_and_endpoints(theta0, gradients[0], *endpoints)
+                collinear = error
+            try:
+                plane = plane_from_gradient_and_endpoints(theta0, gradients[0], *endpoints)
+            except DynamicsError as error:
+                raise DynamicsError(f"{collinear}, and {error}") from None
+            reason = (
+                f"initial gradients coincide ({collinear}): using the plane of {run_a.name}'s "
+                "initial gradient and the direction between the two runs' endpoints"
+            )
             return ChosenPlane(plane, reason, checkpoints)
         if kind == "gradient-endpoints":
             g = _vector(run_a, names.G0, "initial gradient g0")
