@@ -44,15 +44,15 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
     for index, view in enumerate(views):
         row, col = index // columns + 1, index % columns + 1
         if view.coarse_grid is not None:  # the coarse grid underneath, the refined points on top
-            figure.add_trace(
-                go.Contour(
+            figure.add_trace(  # a heatmap too: plotly draws contours above every heatmap
+                go.Heatmap(
                     x=view.coarse_grid.alphas,
                     y=view.coarse_grid.betas,
                     z=coarse[index],
                     zmin=zmin,
                     zmax=zmax,
+                    zsmooth="best",
                     colorscale="Viridis",
-                    ncontours=30,
                     showscale=False,
                     name=f"loss of {view.run}, coarse grid",
                     hovertemplate="a=%{x:.3g}<br>b=%{y:.3g}<br>log10 loss=%{z:.3f}"
@@ -111,6 +111,9 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
                 row=row,
                 col=col,
             )
+        if view.refine is not None:  # heatmap cells reach half a cell past the grid
+            figure.update_xaxes(range=[view.grid.alphas[0], view.grid.alphas[-1]], row=row, col=col)
+            figure.update_yaxes(range=[view.grid.betas[0], view.grid.betas[-1]], row=row, col=col)
         second = view.plane.kind == "out-of-plane"
         figure.update_xaxes(
             title_text="p̂ (in-plane direction)" if second else "u (a)", row=row, col=col
