@@ -16,7 +16,8 @@ from plotly.subplots import make_subplots
 
 from dynamics import __version__
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, write_page
-from dynamics.analysis.plane_views import PlaneView
+from dynamics.analysis.plane_views import plane_label
+from dynamics.landscape import PlaneView
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
@@ -36,23 +37,44 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
     color = {run: _COLORS[i % len(_COLORS)] for i, run in enumerate(runs)}
     # One color scale for every panel, so the single colorbar reads right on all of them.
     logs = [np.log10(view.losses) for view in views]
-    zmin = min(np.nanmin(z) for z in logs)
-    zmax = max(np.nanmax(z) for z in logs)
+    coarse = [None if v.coarse_losses is None else np.log10(v.coarse_losses) for v in views]
+    shown = [z for z in logs + coarse if z is not None and np.isfinite(z).any()]
+    zmin = min(np.nanmin(z) for z in shown)
+    zmax = max(np.nanmax(z) for z in shown)
     for index, view in enumerate(views):
         row, col = index // columns + 1, index % columns + 1
+        if view.coarse_grid is not None:  # the coarse grid underneath, the refined points on top
+            figure.add_trace(  # a heatmap too: plotly draws contours above every heatmap
+                go.Heatmap(
+                    x=view.coarse_grid.alphas,
+                    y=view.coarse_grid.betas,
+                    z=coarse[index],
+                    zmin=zmin,
+                    zmax=zmax,
+                    zsmooth="best",
+                    colorscale="Viridis",
+                    showscale=False,
+                    name=f"loss of {view.run}, coarse grid",
+                    hovertemplate="a=%{x:.3g}<br>b=%{y:.3g}<br>log10 loss=%{z:.3f}"
+                    "<extra>coarse</extra>",
+                ),
+                row=row,
+                col=col,
+            )
+        kind = go.Contour if view.refine is None else go.Heatmap  # a heatmap leaves gaps
         figure.add_trace(
-            go.Contour(
+            kind(
                 x=view.grid.alphas,
                 y=view.grid.betas,
                 z=logs[index],
                 zmin=zmin,
                 zmax=zmax,
                 colorscale="Viridis",
-                ncontours=30,
                 showscale=index == 0,
                 colorbar={"title": "log10 loss"},
                 name=f"loss of {view.run}",
                 hovertemplate="a=%{x:.3g}<br>b=%{y:.3g}<br>log10 loss=%{z:.3f}<extra></extra>",
+                **({"ncontours": 30} if view.refine is None else {"hoverongaps": False}),
             ),
             row=row,
             col=col,
@@ -89,13 +111,14 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
                 row=row,
                 col=col,
             )
-        axis = "u (a)" if view.plane.kind == "gradients" else "p̂ (in-plane direction)"
-        figure.update_xaxes(title_text=axis, row=row, col=col)
-        figure.update_yaxes(
-            title_text="v (b)" if view.plane.kind == "gradients" else "w (out of plane)",
-            row=row,
-            col=col,
+        if view.refine is not None:  # heatmap cells reach half a cell past the grid
+            figure.update_xaxes(range=[view.grid.alphas[0], view.grid.alphas[-1]], row=row, col=col)
+            figure.update_yaxes(range=[view.grid.betas[0], view.grid.betas[-1]], row=row, col=col)
+        second = view.plane.kind == "out-of-plane"
+        figure.update_xaxes(
+            title_text="p̂ (in-plane direction)" if second else "u (a)", row=row, col=col
         )
+        figure.update_yaxes(title_text="w (out of plane)" if second else "v (b)", row=row, col=col)
     figure.update_layout(
         height=480 * rows,
         template="plotly_white",
@@ -106,10 +129,10 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
 
 
 def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
-    """Loss at each real checkpoint against the loss read off the initial-gradient plane."""
+    """Loss at each real checkpoint against the loss read off the (first) plane."""
     figure = go.Figure()
     for view in views:
-        if view.plane.kind != "gradients":
+        if view.plane.kind == "out-of-plane":
             continue
         for t in view.trajectories:
             if t.run != view.run:
@@ -124,7 +147,7 @@ def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
                 )
             )
     figure.update_layout(
-        title="Loss at real checkpoints vs loss read off the initial-gradient plane",
+        title="Loss at real checkpoints vs loss read off the plane",
         xaxis_title="step",
         yaxis_title="loss (probe batch)",
         yaxis_type="log",
@@ -137,6 +160,7 @@ def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
 def write_plane_html(
     views: list[PlaneView],
     out: Path,
+    remarks: list[str] = (),
     *,
     static_dir: str | os.PathLike | None = None,
     static_format: str = "png",
@@ -148,8 +172,9 @@ def write_plane_html(
     grids are computed.
 
     Args:
-        views: the plane views, as :func:`dynamics.analysis.plane_views.plane_views` returns.
+        views: the plane views, evaluated (see :mod:`dynamics.analysis.plane_views`).
         out: the HTML file.
+        remarks: lines shown above the figures (how the plane was chosen, what is missing).
         static_dir: also export both figures into this folder (see
             :func:`dynamics.analysis.page.write_page`).
         static_format: ``"png"`` or ``"svg"``.
@@ -163,15 +188,19 @@ def write_plane_html(
         ("plane-heatmaps", heatmap_figure(views)),
         ("plane-checkpoint-loss", checkpoint_loss_figure(views)),
     ]
+    first = next((v.plane for v in views if v.plane.kind != "out-of-plane"), None)
+    heading = plane_label(first) if first is not None else "plane"
     body = "".join(
         [
-            "<h1>Initial-gradient plane and out-of-plane views</h1>",
+            f"<h1>{html.escape(heading[0].upper() + heading[1:])} and out-of-plane views</h1>",
             f"<p class='meta'>{html.escape(', '.join(dict.fromkeys(v.run for v in views)))}"
             f" · dynamics {__version__}</p>",
+            *(f"<p class='note'>{html.escape(remark)}</p>" for remark in remarks),
             "<h2>Loss landscapes</h2>",
             "<p class='note'>Each panel: log10 of the loss of the run it names, on that run's "
-            "stored probe batch, at θ0 + a·u + b·v (models in eval mode); every run's path is "
-            "drawn over it. Circles mark θ0, stars θT.</p>",
+            "stored probe batch, at θ0 + a·u + b·v; every run's path is drawn over it. Circles "
+            "mark θ0, stars θT.</p>",
+            html_table(("heatmap", "evaluated"), [(v.title, v.source) for v in views]),
             *(
                 f"<p class='note'>Buffers: {html.escape(note)}.</p>"
                 for note in dict.fromkeys(v.buffers for v in views if v.buffers)

@@ -1,7 +1,10 @@
 """``dynamics plane`` as one call: two run files in, the plane views' page and data out.
 
-Each run's model is rebuilt from its file; every grid is evaluated on one process or split
-across several torch.distributed (gloo) processes, with the same result; one process writes.
+A run's views come from what it evaluated in its training process at the end of fit
+(``GradientPlane(at_end=True)``) when it did so on the chosen plane; otherwise its model is
+rebuilt from its file. Every grid is evaluated on one process or split across several
+torch.distributed (gloo) processes, with the same result; one process writes, each chunk of
+rows as it is finished, so an interrupted evaluation keeps them.
 """
 
 from __future__ import annotations
@@ -12,14 +15,25 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamics.analysis.landscape import LossSurface
+from tqdm.auto import tqdm
+
 from dynamics.analysis.output import check_output
 from dynamics.analysis.plane_report import write_plane_html
-from dynamics.analysis.plane_views import initial_gradient_plane, plane_views, save_views
+from dynamics.analysis.plane_views import (
+    ChosenPlane,
+    StoredViews,
+    choose_plane,
+    evaluate_views,
+    planned_views,
+    points_to_evaluate,
+    stored_views,
+    views_file,
+)
 from dynamics.errors import DynamicsError
+from dynamics.landscape import LossSurface
 from dynamics.nearest_buffers import NearestBuffers
 from dynamics.rebuild import probe_batch, rebuild_module
-from dynamics.store import Run, open_run
+from dynamics.store import Run, names, open_run
 
 
 @dataclass(frozen=True)
@@ -30,11 +44,13 @@ class PlaneWritten:
         html: the page of heatmaps and trajectories.
         results: the grids, losses, trajectories and bases (HDF5), beside the page.
         notes: ``{what: value}`` the views measured, e.g. each run's in-plane share of ‖θT − θ0‖².
+        remarks: how the plane was chosen, and anything that could not be drawn and why.
     """
 
     html: Path
     results: Path
     notes: dict[str, float]
+    remarks: list[str]
 
 
 @dataclass(frozen=True)
@@ -42,12 +58,21 @@ class _Job:
     """Everything a process needs for its share; forked processes inherit it."""
 
     runs: list[Run]
+    chosen: ChosenPlane
     surfaces: dict[str, LossSurface]
+    stored: dict[str, StoredViews]
     grid_side: int
     margin: float
+    coarse: int | None
     progress: bool
     html: Path
     results: Path
+    remarks: list[str]
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def write_plane(
@@ -56,48 +81,75 @@ def write_plane(
     out_path: str | os.PathLike,
     overwrite: bool = False,
     *,
+    plane: str = "auto",
     grid_side: int = 41,
     margin: float = 0.25,
-    processes: int = 1,
+    coarse: int | None = None,
+    processes: int | None = None,
     progress: bool = False,
     model: str | None = None,
     init_args: dict | None = None,
 ) -> PlaneWritten:
-    """Both runs on the plane of their initial gradients and each out of it, as HTML and HDF5.
+    """Both runs on a plane and each out of it, as HTML and HDF5.
 
     Every input is checked before a model is rebuilt; see
-    :func:`~dynamics.analysis.plane_views.plane_views` for the views.
+    :func:`~dynamics.analysis.plane_views.choose_plane` for the planes and
+    :func:`~dynamics.analysis.plane_views.planned_views` for the views.
 
     Args:
-        run_a: the run whose initial gradient gives u.
-        run_b: the run whose initial gradient gives v.
+        run_a: the first run (its initial gradient gives u on the gradient planes).
+        run_b: the second run.
         out_path: the HTML file; the views' data go to the same name with ``.h5``.
         overwrite: replace existing outputs.
+        plane: one of :data:`~dynamics.analysis.plane_views.PLANE_CHOICES`.
         grid_side: grid points per axis.
         margin: extra fraction of the trajectories' range on each side of a grid.
-        processes: split every grid across this many processes (forked, gloo).
-        progress: progress bars over the grids.
+        coarse: coarse to fine: a ``coarse``×``coarse`` grid over each view first, then the
+            ``grid_side`` points only near the trajectories (see
+            :func:`~dynamics.analysis.plane_views.planned_views`).
+        processes: split every grid across this many processes (forked, gloo); default: the
+            cores this process may use.
+        progress: one progress bar, with an estimate of the time left, over every evaluation.
         model: build each run's model with this class or factory instead of the recorded
             class (see :func:`~dynamics.rebuild.rebuild_module`).
         init_args: init args completing or overriding the recorded ones.
 
     Raises:
         DynamicsError: ``processes`` below 1, an output that may not be written, a run file
-            that cannot be read, two runs that cannot share a plane (see
-            :func:`~dynamics.analysis.plane_views.initial_gradient_plane`), a model that cannot
-            be rebuilt, or a worker process that failed.
+            that cannot be read, two runs that cannot share the plane asked for, a model that
+            cannot be rebuilt (unless the other run stored its views in training: then the
+            page says which heatmaps are missing and why), or a worker process that failed.
     """
+    processes = available_cores() if processes is None else processes
     if processes < 1:
         raise DynamicsError(f"--processes must be at least 1, got {processes}")
+    if coarse is not None and not 2 <= coarse <= grid_side:
+        raise DynamicsError(f"--coarse must be between 2 and --grid ({grid_side}), got {coarse}")
     inputs = (run_a, run_b)
     html = check_output(out_path, overwrite, inputs)
     results = check_output(html.with_suffix(".h5"), overwrite, inputs)
     runs = [open_run(path) for path in inputs]
-    initial_gradient_plane(*runs, grid_side)  # every input check before models are rebuilt
-    surfaces = {run.name: _surface(run, model, init_args) for run in runs}
-    job = _Job(runs, surfaces, grid_side, margin, progress, html, results)
-    if processes == 1:
-        return PlaneWritten(html, results, _evaluate_share(0, job))
+    chosen = choose_plane(*runs, plane, grid_side)  # every input check before models are rebuilt
+    stored = {r.name: s for r in runs if (s := stored_views(r, chosen.plane)) is not None}
+    surfaces, remarks = {}, [f"plane: {chosen.reason}"]
+    for run in runs:
+        if run.name in stored:
+            continue
+        try:
+            surfaces[run.name] = _surface(run, model, init_args)
+        except DynamicsError as error:
+            if not stored:
+                elsewhere = [r.name for r in runs if names.PLANE_END_STEPS in r.vector_names]
+                hint = (
+                    f"; {', '.join(elsewhere)} stored views on another plane" if elsewhere else ""
+                )
+                raise DynamicsError(f"{error}{hint}") from None
+            remarks.append(f"no heatmaps of {run.name}: {error}")
+    job = _Job(
+        runs, chosen, surfaces, stored, grid_side, margin, coarse, progress, html, results, remarks
+    )
+    if processes == 1 or not surfaces:
+        return PlaneWritten(html, results, _evaluate_share(0, job), remarks)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
@@ -112,7 +164,7 @@ def write_plane(
             last = str(error).strip().splitlines()[-1]
             raise DynamicsError(f"plane evaluation failed in a worker: {last}") from None
         notes = json.loads((Path(folder) / "notes.json").read_text())
-    return PlaneWritten(html, results, notes)
+    return PlaneWritten(html, results, notes, remarks)
 
 
 def _surface(run: Run, model: str | None, init_args: dict | None) -> LossSurface:
@@ -137,17 +189,36 @@ def _evaluate_share(
         dist.init_process_group(
             "gloo", init_method=f"file://{folder / 'rendezvous'}", rank=rank, world_size=world_size
         )
+    trajectory_points = sum(4 * len(job.chosen.checkpoints[name][0]) for name in job.surfaces)
+    total = trajectory_points + 2 * job.grid_side**2 * len(job.surfaces)
+    bar = tqdm(
+        total=total, unit="pt", desc="plane losses", disable=not job.progress or rank or not total
+    )
     try:
-        views = plane_views(
-            *job.runs, job.surfaces, job.grid_side, job.margin, job.progress, distributed
+        views = planned_views(
+            job.runs,
+            job.chosen,
+            job.surfaces,
+            job.stored,
+            job.grid_side,
+            job.margin,
+            bar,
+            job.coarse,
         )
+        bar.total = trajectory_points + points_to_evaluate(views)
+        bar.refresh()
+        if rank == 0:
+            with views_file(views, job.results, job.remarks) as write_rows:
+                views = evaluate_views(views, job.surfaces, bar, distributed, write_rows)
+        else:
+            views = evaluate_views(views, job.surfaces, None, distributed)
     finally:
+        bar.close()
         if distributed:
             dist.destroy_process_group()
     if rank != 0:
         return {}
-    write_plane_html(views, job.html)
-    save_views(views, job.results)
+    write_plane_html(views, job.html, job.remarks)
     notes = {note: value for view in views for note, value in view.notes.items()}
     if distributed:  # the parent of forked processes sees no return value
         (folder / "notes.json").write_text(json.dumps(notes))

@@ -1,119 +1,269 @@
-"""The paper's Fig. 3 for any two runs that share θ0: the initial-gradient plane and the
+"""The paper's Fig. 3 for any two runs that share θ0: a plane through θ0 and each run's
 Gram–Schmidt out-of-plane view, each with loss heatmaps and re-projected trajectories.
 
-Everything is rebuilt from the run files: θ0, each run's initial gradient g0, parameter
-snapshots, θT, and (through a caller-supplied :class:`LossSurface` per run) the model and its
-stored probe batch.
+The plane is the one of the two runs' initial gradients, or — for runs whose initial gradients
+coincide, or when asked — the plane of the initial gradient and the direction between the
+endpoints, a PCA plane of both runs' snapshots, or a random filter-normalized plane.
+Trajectories come from the run files (snapshots, θT); heatmaps and losses from a
+:class:`~dynamics.landscape.LossSurface` per run (a model rebuilt offline), or from the views a
+run evaluated in its training process at the end of fit (``GradientPlane(at_end=True)``).
+
+Views are planned first (planes, grids, trajectories), then their grids are evaluated a chunk
+of rows at a time, so a caller can write each chunk as it is finished.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from dynamics.analysis.landscape import LossSurface, evaluate_grid
 from dynamics.errors import DynamicsError
+from dynamics.landscape import (
+    LossSurface,
+    PlaneView,
+    Progress,
+    Trajectory,
+    evaluate_grid,
+    in_plane_share,
+    trajectory,
+)
 from dynamics.plane import (
+    CollinearGradients,
     Grid,
     Plane,
     covering_grid,
+    near_paths,
     out_of_plane_view,
+    pca_plane,
+    plane_from_gradient_and_endpoints,
     plane_from_gradients,
-    project,
+    random_filter_normalized_plane,
 )
 from dynamics.store import Run, names
 
+#: The planes ``dynamics plane --plane`` offers; ``auto`` is ``gradients`` unless they coincide.
+PLANE_CHOICES = ("auto", "gradients", "gradient-endpoints", "pca", "random")
+#: Largest entry-wise difference between a stored basis and the chosen one that is the same plane.
+SAME_BASIS_TOLERANCE = 1e-9
+_LABELS = {
+    "gradients": "initial-gradient plane",
+    "gradient-endpoints": "plane of g0 and the endpoints' direction",
+    "pca": "PCA plane of both runs' snapshots",
+    "random-filter-normalized": "random filter-normalized plane",
+}
+#: Called with ``(view index, dataset, first row, rows)`` as each chunk of a heatmap (dataset
+#: ``losses``, or ``coarse_losses``) is finished.
+ViewRowsDone = Callable[[int, str, int, np.ndarray], None]
+
 
 @dataclass(frozen=True)
-class Trajectory:
-    """A run's checkpoints on a plane, with the loss there and the loss read off the plane."""
+class ChosenPlane:
+    """The plane two runs are compared on, why it was chosen, and the runs' checkpoints.
 
-    run: str
-    step: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
-    r: np.ndarray
-    loss: np.ndarray  # at the real checkpoints θt
-    plane_loss: np.ndarray  # at their projections θ0 + a·u + b·v
+    Attributes:
+        plane: the plane through the shared θ0.
+        reason: one line on how it was chosen (e.g. why the gradient plane could not be used).
+        checkpoints: ``{run name: (steps, θs)}``: snapshots followed by θT.
+    """
 
-
-@dataclass(frozen=True)
-class PlaneView:
-    """One plane, the loss heatmap of one run's model on it, and trajectories drawn over it."""
-
-    title: str
     plane: Plane
-    grid: Grid
-    run: str  # whose model the heatmap evaluates
-    losses: np.ndarray  # (len(betas), len(alphas))
-    trajectories: list[Trajectory]
-    notes: dict[str, float] = field(default_factory=dict)
-    buffers: str = ""  # which buffers (BatchNorm statistics) its points use; "" when none
+    reason: str
+    checkpoints: dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-def initial_gradient_plane(
-    run_a: Run, run_b: Run, grid_side: int = 41
-) -> tuple[Plane, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """Check two runs can be compared on a plane; their initial-gradient plane and checkpoints.
+@dataclass(frozen=True)
+class StoredViews:
+    """A run's views evaluated in its training process at the end of fit."""
+
+    trajectory: Trajectory  # on the plane
+    plane_view: PlaneView  # its trajectories are set when the views are planned
+    out_of_plane: PlaneView
+
+
+def plane_label(plane: Plane) -> str:
+    """How a plane is named on the page: ``initial-gradient plane``, ``PCA plane ...``."""
+    return _LABELS.get(plane.kind, plane.kind)
+
+
+def choose_plane(
+    run_a: Run, run_b: Run, kind: str = "auto", grid_side: int = 41, seed: int = 0
+) -> ChosenPlane:
+    """Check two runs can be compared on a plane, and build it.
 
     Cheap: call it before rebuilding models, so bad input is refused first.
 
-    Returns:
-        The plane (u from ``run_a``'s g0, v from ``run_b``'s) and ``{run name: (steps, θs)}``
-        of snapshots followed by θT.
+    Args:
+        run_a: the first run (its g0 gives u for the gradient planes).
+        run_b: the second run.
+        kind: one of :data:`PLANE_CHOICES`. ``auto`` takes the initial-gradient plane unless
+            the gradients are collinear, then the plane of run A's g0 and θT_b − θT_a, and
+            says why in ``reason``.
+        grid_side: grid points per axis, checked here.
+        seed: the random plane's seed.
 
     Raises:
-        DynamicsError: the runs share a name, differ in θ0 or parameter layout, lack g0,
-            snapshots or θT, their initial gradients are zero or collinear (they span no plane),
-            or ``grid_side`` is below 2.
+        DynamicsError: the runs share a name, differ in θ0 or parameter layout, lack what
+            the plane needs (g0, snapshots, θT), the plane is degenerate (e.g. collinear
+            gradients with ``kind="gradients"``), ``kind`` is unknown, or ``grid_side`` is
+            below 2.
     """
+    if kind not in PLANE_CHOICES:
+        raise DynamicsError(f"--plane must be one of {', '.join(PLANE_CHOICES)}, got {kind!r}")
     if run_a.name == run_b.name:
         raise DynamicsError("the two runs need different names (file stems or run_name)")
     if grid_side < 2:
         raise DynamicsError(f"--grid must be at least 2, got {grid_side}")
     runs = [run_a, run_b]
     theta0 = _check_comparable(runs)
-    gradients = [_vector(r, names.G0, "initial gradient g0") for r in runs]
-    try:
-        plane = plane_from_gradients(theta0, *gradients)
-    except ValueError as error:  # the runs' own gradients, so the user's input
-        raise DynamicsError(f"{run_a.path.name} and {run_b.path.name}: {error}") from None
-    return plane, {r.name: _checkpoints(r) for r in runs}
+    checkpoints = {r.name: _checkpoints(r) for r in runs}
+    pair = f"{run_a.path.name} and {run_b.path.name}"
+    endpoints = [checkpoints[r.name][1][-1] for r in runs]
+    try:  # the runs' own vectors, so a degenerate plane is the user's input
+        if kind in ("auto", "gradients"):
+            gradients = [_vector(r, names.G0, "initial gradient g0") for r in runs]
+            try:
+                plane = plane_from_gradients(theta0, *gradients)
+                return ChosenPlane(
+                    plane, "the plane of the two runs' initial gradients", checkpoints
+                )
+            except CollinearGradients as error:
+                if kind == "gradients":
+                    raise
+                collinear = error
+            try:
+                plane = plane_from_gradient_and_endpoints(theta0, gradients[0], *endpoints)
+            except DynamicsError as error:
+                raise DynamicsError(f"{collinear}, and {error}") from None
+            reason = (
+                f"initial gradients coincide ({collinear}): using the plane of {run_a.name}'s "
+                "initial gradient and the direction between the two runs' endpoints"
+            )
+            return ChosenPlane(plane, reason, checkpoints)
+        if kind == "gradient-endpoints":
+            g = _vector(run_a, names.G0, "initial gradient g0")
+            plane = plane_from_gradient_and_endpoints(theta0, g, *endpoints)
+            reason = f"the plane of {run_a.name}'s initial gradient and θT_b − θT_a (asked)"
+        elif kind == "pca":
+            plane = pca_plane(theta0, np.vstack([checkpoints[r.name][1] for r in runs]))
+            reason = "the PCA plane of both runs' snapshots and endpoints (asked)"
+        else:
+            plane = random_filter_normalized_plane(theta0, run_a.layout, seed)
+            reason = f"a random filter-normalized plane, seed {seed} (asked)"
+    except DynamicsError as error:
+        raise DynamicsError(f"{pair}: {error}") from None
+    return ChosenPlane(plane, reason, checkpoints)
 
 
-def plane_views(
-    run_a: Run,
-    run_b: Run,
+def stored_views(run: Run, plane: Plane) -> StoredViews | None:
+    """The views ``run`` evaluated at the end of its fit on ``plane``; None if it has none there.
+
+    They are used only when the run's plane (``plane_u``, ``plane_v``) is ``plane``'s.
+    """
+    losses = run.vector(names.plane_end(names.PLANE_END_VIEWS[0], "losses"))
+    u, v = run.vector(names.PLANE_U), run.vector(names.PLANE_V)
+    if losses is None or u is None or v is None:
+        return None
+    if max(np.abs(u - plane.u).max(), np.abs(v - plane.v).max()) > SAME_BASIS_TOLERANCE:
+        return None
+    steps = run.vector(names.PLANE_END_STEPS)
+    kept = ~np.isnan(steps)
+    probes = run.attrs.get(names.ATTR_PROBES, [])
+    mode = next((p["settings"].get("mode") for p in probes if p["name"] == names.PLANE), None)
+    source = (
+        f"evaluated in the training process at the end of fit ({mode} mode, with the "
+        "module's buffers at the end of fit)"
+    )
+
+    def read(view: str) -> tuple[Grid, np.ndarray, Trajectory]:
+        rows = run.vector(names.plane_end(view, "trajectory"))[kept]
+        columns = dict(zip(names.PLANE_END_TRAJECTORY_COLUMNS, rows.T))
+        grid = Grid(
+            run.vector(names.plane_end(view, "alphas")), run.vector(names.plane_end(view, "betas"))
+        )
+        losses = run.vector(names.plane_end(view, "losses"))
+        return grid, losses, Trajectory(run.name, steps[kept].astype(np.int64), **columns)
+
+    grid, losses, on_plane = read(names.PLANE_END_VIEWS[0])
+    title = f"{plane_label(plane)}, loss of {run.name} (in training)"
+    plane_view = PlaneView(title, plane, grid, run.name, losses, [], {}, source)
+    second_grid, second_losses, second = read(names.PLANE_END_VIEWS[1])
+    basis = [run.vector(names.plane_end(names.PLANE_END_VIEWS[1], w)) for w in ("u", "v")]
+    share = in_plane_share(on_plane)
+    second_plane = Plane(
+        plane.origin, *basis, "out-of-plane", {"in_plane_share": share, "parent_kind": plane.kind}
+    )
+    out_of_plane = PlaneView(
+        f"out-of-plane view of {run.name} (p̂, w) (in training)",
+        second_plane,
+        second_grid,
+        run.name,
+        second_losses,
+        [second],
+        {f"in-plane share of ‖θT − θ0‖², {run.name}": share},
+        source,
+    )
+    return StoredViews(on_plane, plane_view, out_of_plane)
+
+
+def recorded_views(run: Run) -> list[PlaneView] | None:
+    """The views one run evaluated at the end of its fit, each with its own trajectory only;
+    None if it has none."""
+    theta0, u, v = (run.vector(n) for n in (names.THETA0, names.PLANE_U, names.PLANE_V))
+    if theta0 is None or u is None or v is None:
+        return None
+    probes = run.attrs.get(names.ATTR_PROBES, [])
+    at_end = next((p["settings"].get("at_end") for p in probes if p["name"] == names.PLANE), None)
+    plane = Plane(theta0, u, v, (at_end or {}).get("kind", "gradients"))
+    stored = stored_views(run, plane)
+    if stored is None:
+        return None
+    share = stored.out_of_plane.notes
+    return [
+        replace(stored.plane_view, trajectories=[stored.trajectory], notes=share),
+        stored.out_of_plane,
+    ]
+
+
+def planned_views(
+    runs: list[Run],
+    chosen: ChosenPlane,
     surfaces: dict[str, LossSurface],
+    stored: dict[str, StoredViews],
     grid_side: int = 41,
     margin: float = 0.25,
-    progress: bool = False,
-    distributed: bool = False,
+    progress: Progress | None = None,
+    coarse: int | None = None,
 ) -> list[PlaneView]:
-    """Both runs on the plane of their initial gradients, then each run's out-of-plane view.
+    """Both runs on the chosen plane, then each run's out-of-plane view; grids not evaluated.
+
+    A run's views come from ``stored`` when it has them, else from its surface (the views'
+    ``losses`` are left None for :func:`evaluate_views`); a run with neither gets no heatmap,
+    and its trajectory is drawn with NaN losses.
 
     Args:
-        run_a: the run whose normalized g0 is u.
-        run_b: the run whose g0, Gram–Schmidt-ed against u, gives v.
-        surfaces: ``{run name: LossSurface}`` of each run's own model on its probe batch.
+        runs: the two runs.
+        chosen: the plane, as :func:`choose_plane` returns it.
+        surfaces: ``{run name: LossSurface}`` of each rebuilt run's model on its probe batch.
+        stored: ``{run name: StoredViews}`` of runs that evaluated their views in training.
         grid_side: grid points per axis (≥ 2).
         margin: extra fraction of the trajectories' range on each side of the grid.
-        progress: progress bars over the grids.
-        distributed: split every grid across the ranks of the initialized default process
-            group (see :func:`evaluate_grid`); every rank returns the same views.
-
-    Raises:
-        DynamicsError: as :func:`initial_gradient_plane`.
+        progress: told of each trajectory loss evaluated.
+        coarse: coarse to fine (2 ≤ ``coarse`` ≤ ``grid_side``): each grid to evaluate gets a
+            ``coarse``×``coarse`` grid over its whole extent, and its own points are evaluated
+            only within one coarse cell of the trajectories drawn on it.
     """
-    runs = [run_a, run_b]
-    plane, checkpoints = initial_gradient_plane(run_a, run_b, grid_side)
-
+    plane = chosen.plane
     on_plane = {
-        r.name: _trajectory(r.name, plane, *checkpoints[r.name], surfaces[r.name]) for r in runs
+        r.name: stored[r.name].trajectory
+        if r.name in stored
+        else trajectory(r.name, plane, *chosen.checkpoints[r.name], surfaces.get(r.name), progress)
+        for r in runs
     }
     grid = covering_grid(
         [(t.a, t.b) for t in on_plane.values()],
@@ -121,75 +271,180 @@ def plane_views(
         num_betas=grid_side,
         margin=margin,
     )
-    views = [
-        PlaneView(
-            title=f"initial-gradient plane, loss of {r.name}",
-            plane=plane,
-            grid=grid,
-            run=r.name,
-            losses=evaluate_grid(
-                surfaces[r.name], plane, grid, progress=progress, distributed=distributed
-            ),
-            trajectories=list(on_plane.values()),
-            notes={f"in-plane share of ‖θT − θ0‖², {t.run}": _share(t) for t in on_plane.values()},
-            buffers=surfaces[r.name].buffer_note,
-        )
-        for r in runs
-    ]
+    shares = {
+        f"in-plane share of ‖θT − θ0‖², {t.run}": in_plane_share(t) for t in on_plane.values()
+    }
+    trajectories = list(on_plane.values())
+    views = []
     for r in runs:
-        steps, thetas = checkpoints[r.name]
-        second, share = out_of_plane_view(plane, thetas[-1])
-        trajectory = _trajectory(r.name, second, steps, thetas, surfaces[r.name])
-        second_grid = covering_grid(
-            [(trajectory.a, trajectory.b)],
-            num_alphas=grid_side,
-            num_betas=grid_side,
-            margin=margin,
-        )
-        views.append(
-            PlaneView(
-                title=f"out-of-plane view of {r.name} (p̂, w)",
-                plane=second,
-                grid=second_grid,
-                run=r.name,
-                losses=evaluate_grid(
-                    surfaces[r.name],
-                    second,
-                    second_grid,
-                    progress=progress,
-                    distributed=distributed,
-                ),
-                trajectories=[trajectory],
-                notes={f"in-plane share of ‖θT − θ0‖², {r.name}": share},
-                buffers=surfaces[r.name].buffer_note,
+        if r.name in stored:
+            views.append(
+                replace(stored[r.name].plane_view, trajectories=trajectories, notes=shares)
             )
+        elif r.name in surfaces:
+            title = f"{plane_label(plane)}, loss of {r.name}"
+            views.append(
+                PlaneView(
+                    title,
+                    plane,
+                    grid,
+                    r.name,
+                    None,
+                    trajectories,
+                    shares,
+                    buffers=surfaces[r.name].buffer_note,
+                )
+            )
+    for r in runs:
+        if r.name in stored:
+            views.append(stored[r.name].out_of_plane)
+        elif r.name in surfaces:
+            views.append(
+                _out_of_plane(r.name, plane, chosen, surfaces[r.name], grid_side, margin, progress)
+            )
+    if coarse is None:
+        return views
+    radius = (grid_side - 1) / (coarse - 1)  # one coarse cell, in fine grid steps
+    return [
+        view
+        if view.losses is not None
+        else replace(
+            view,
+            coarse_grid=Grid(
+                *(np.linspace(x[0], x[-1], coarse) for x in (view.grid.alphas, view.grid.betas))
+            ),
+            refine=near_paths(view.grid, [(t.a, t.b) for t in view.trajectories], radius),
         )
-    return views
+        for view in views
+    ]
 
 
-def save_views(views: list[PlaneView], path: Path) -> None:
-    """Store grids, losses, trajectories and basis metadata, so figures redraw without compute."""
+def evaluate_views(
+    views: list[PlaneView],
+    surfaces: dict[str, LossSurface],
+    progress: Progress | None = None,
+    distributed: bool = False,
+    on_rows: ViewRowsDone | None = None,
+) -> list[PlaneView]:
+    """``views`` with every grid not yet evaluated evaluated (see :func:`evaluate_grid`):
+    all coarse grids first, then the full ones (only where they are refined)."""
+
+    def evaluated(index: int, grid: Grid, plane: Plane, run: str, dataset: str, where=None):
+        return evaluate_grid(
+            surfaces[run],
+            plane,
+            grid,
+            progress=progress,
+            distributed=distributed,
+            on_rows=None if on_rows is None else _rows_of(on_rows, index, dataset),
+            where=where,
+        )
+
+    views = [
+        view
+        if view.coarse_grid is None or view.coarse_losses is not None
+        else replace(
+            view,
+            coarse_losses=evaluated(index, view.coarse_grid, view.plane, view.run, "coarse_losses"),
+        )
+        for index, view in enumerate(views)
+    ]
+    return [
+        view
+        if view.losses is not None
+        else replace(
+            view,
+            losses=evaluated(index, view.grid, view.plane, view.run, "losses", view.refine),
+        )
+        for index, view in enumerate(views)
+    ]
+
+
+def points_to_evaluate(views: list[PlaneView]) -> int:
+    """Grid points left to evaluate in ``views``."""
+    total = 0
+    for view in views:
+        if view.losses is None:
+            total += view.grid.size if view.refine is None else int(view.refine.sum())
+        if view.coarse_grid is not None and view.coarse_losses is None:
+            total += view.coarse_grid.size
+    return total
+
+
+@contextmanager
+def views_file(views: list[PlaneView], path: Path, remarks: list[str]) -> Iterator[ViewRowsDone]:
+    """Write the views' planes, grids and trajectories now, their heatmaps as rows come.
+
+    Yields the function that writes a chunk of a heatmap's rows (and flushes the file), so an
+    interrupted evaluation leaves its finished rows on disk; heatmap entries not evaluated read
+    as NaN, and the root attribute ``complete`` is true only once the block exits normally.
+    """
     with h5py.File(path, "w") as file:
+        file.attrs.update(complete=False, remarks=json.dumps(remarks))
         for index, view in enumerate(views):
             group = file.create_group(f"view{index}")
             group.attrs.update(
                 title=view.title,
                 run=view.run,
                 kind=view.plane.kind,
+                source=view.source,
                 metadata=json.dumps(dict(view.plane.metadata), default=_jsonable),
                 notes=json.dumps(view.notes),
                 buffers=view.buffers,
             )
-            group["alphas"], group["betas"], group["losses"] = (
-                view.grid.alphas,
-                view.grid.betas,
-                view.losses,
+            group["alphas"], group["betas"] = view.grid.alphas, view.grid.betas
+            group["losses"] = (
+                view.losses if view.losses is not None else np.full(view.grid.shape, np.nan)
             )
             group["u"], group["v"] = view.plane.u, view.plane.v
+            if view.coarse_grid is not None:
+                group["coarse_alphas"] = view.coarse_grid.alphas
+                group["coarse_betas"] = view.coarse_grid.betas
+                group["coarse_losses"] = np.full(view.coarse_grid.shape, np.nan)
+                group["refined"] = view.refine
             for t in view.trajectories:
                 sub = group.create_group(f"trajectory/{t.run}")
                 for name in ("step", "a", "b", "r", "loss", "plane_loss"):
                     sub[name] = getattr(t, name)
+        file.flush()
+
+        def write_rows(index: int, dataset: str, first: int, rows: np.ndarray) -> None:
+            file[f"view{index}/{dataset}"][first : first + len(rows)] = rows
+            file.flush()
+
+        yield write_rows
+        file.attrs["complete"] = True
+
+
+def _rows_of(on_rows: ViewRowsDone, index: int, dataset: str) -> Callable[[int, np.ndarray], None]:
+    return lambda first, rows: on_rows(index, dataset, first, rows)
+
+
+def _out_of_plane(
+    run: str,
+    plane: Plane,
+    chosen: ChosenPlane,
+    surface: LossSurface,
+    grid_side: int,
+    margin: float,
+    progress: Progress | None,
+) -> PlaneView:
+    steps, thetas = chosen.checkpoints[run]
+    second, share = out_of_plane_view(plane, thetas[-1])
+    path = trajectory(run, second, steps, thetas, surface, progress)
+    grid = covering_grid(
+        [(path.a, path.b)], num_alphas=grid_side, num_betas=grid_side, margin=margin
+    )
+    return PlaneView(
+        f"out-of-plane view of {run} (p̂, w)",
+        second,
+        grid,
+        run,
+        None,
+        [path],
+        {f"in-plane share of ‖θT − θ0‖², {run}": share},
+        buffers=surface.buffer_note,
+    )
 
 
 def _check_comparable(runs: list[Run]) -> np.ndarray:
@@ -216,27 +471,6 @@ def _checkpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:
     loss = run.train_loss()
     last = (loss.step if loss is not None else snapshots.step)[-1] + 1
     return np.append(snapshots.step, last), np.vstack([snapshots[names.SNAPSHOT_THETA], final])
-
-
-def _trajectory(
-    run: str, plane: Plane, steps: np.ndarray, thetas: np.ndarray, surface: LossSurface
-) -> Trajectory:
-    a, b, r = project(plane, thetas)
-    return Trajectory(
-        run=run,
-        step=steps,
-        a=a,
-        b=b,
-        r=r,
-        loss=np.array([surface.loss(theta) for theta in thetas]),
-        plane_loss=np.array([surface.loss(plane.point(x, y)) for x, y in zip(a, b)]),
-    )
-
-
-def _share(trajectory: Trajectory) -> float:
-    a, b, r = trajectory.a[-1], trajectory.b[-1], trajectory.r[-1]
-    total = a * a + b * b + r * r
-    return float((a * a + b * b) / total) if total > 0 else float("nan")
 
 
 def _jsonable(value: object) -> object:

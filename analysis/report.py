@@ -227,6 +227,12 @@ def _plane_figures(run: Run) -> list[tuple[str, go.Figure]]:
                 ),
             )
         )
+    if names.PLANE_END_STEPS in run.vector_names:  # GradientPlane(at_end=True); needs torch
+        from dynamics.analysis.plane_report import heatmap_figure
+        from dynamics.analysis.plane_views import recorded_views
+
+        views = recorded_views(run)
+        figures += [("plane-heatmaps", heatmap_figure(views))] if views else []
     return figures
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from dynamics.analysis.landscape import LossSurface, evaluate_grid
+from dynamics.landscape import LossSurface, evaluate_grid
 from dynamics.models import ResidualMLP
 from dynamics.params import ParameterLayout, parameter_vector
 from dynamics.plane import Grid, Plane, random_filter_normalized_plane

@@ -14,9 +14,10 @@ from dynamics.batch_tree import flatten_batch
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.initial_gradient import initial_gradient
-from dynamics.isolation import Mode
+from dynamics.isolation import Mode, side_effect_free
+from dynamics.landscape import LossSurface, Trajectory, evaluate_grid, trajectory
 from dynamics.params import ParameterLayout, flatten, parameter_vector, vector_hash
-from dynamics.plane import Plane, plane_from_gradients
+from dynamics.plane import Plane, covering_grid, out_of_plane_view, plane_from_gradients, project
 from dynamics.store import RunFileError, names, open_run
 
 
@@ -44,13 +45,29 @@ class GradientPlane(Probe):
     partner run file that shares θ0: u = g_partner/‖g_partner‖, v = this run's g0
     Gram–Schmidt-ed against u.
 
+    With ``at_end=True`` (and a plane known during the run) the probe also evaluates, in the
+    training process at the end of fit, what ``dynamics plane`` would otherwise rebuild the model
+    for — for a model that cannot be imported offline: the loss heatmap on the plane (a
+    ``grid``×``grid`` grid covering this run's and the partner's trajectories), the Gram–Schmidt
+    out-of-plane view, and the trajectory on each with the loss at each checkpoint and at its
+    projection. Losses are taken on the probe batch in ``mode``, on a copy of the module with its
+    buffers at the end of fit, inside :func:`~dynamics.isolation.side_effect_free`, so training is
+    not perturbed. The checkpoints are θt at due steps of the plane series, thinned to at most
+    ``checkpoints`` (every other one dropped when full), then θT; they are held on the CPU
+    (``checkpoints`` parameter vectors). The views are stored as ``plane_end.*`` vectors, which
+    ``dynamics plane`` draws when the plane it is asked for is this one.
+
     Args:
         partner: a finished run file of the same θ0 whose ``g0`` spans the plane with ours.
         basis: an explicit plane (as ``dynamics run`` passes both students).
         batch: the probe batch; default: a copy of the first training batch.
         every_n_steps: period of the (a, b, r) series.
         mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
-            while g0 is taken.
+            while g0 is taken (and the end-of-fit views are evaluated).
+        at_end: evaluate the plane views at the end of fit (needs ``partner`` or ``basis``).
+        grid: grid points per axis of the end-of-fit heatmaps.
+        margin: extra fraction of the trajectories' range on each side of those grids.
+        checkpoints: most checkpoints kept for the end-of-fit trajectories (≥ 2).
     """
 
     name = names.PLANE
@@ -62,12 +79,30 @@ class GradientPlane(Probe):
         batch: Any = None,
         every_n_steps: int = 1,
         mode: Mode = "eval",
+        at_end: bool = False,
+        grid: int = 41,
+        margin: float = 0.25,
+        checkpoints: int = 32,
     ) -> None:
         super().__init__(every_n_steps)
         if partner is not None and basis is not None:
             raise ValueError("give GradientPlane a partner run or a basis, not both")
+        if at_end and partner is None and basis is None:
+            raise ValueError("GradientPlane(at_end=True) needs the plane: give partner or basis")
+        if grid < 2 or checkpoints < 2 or not margin >= 0:
+            raise ValueError(
+                f"need grid >= 2, checkpoints >= 2 and margin >= 0, got {grid}, {checkpoints}, "
+                f"{margin}"
+            )
         self.partner = Path(partner) if partner is not None else None
         self.plane = basis
+        self.at_end = at_end
+        self.grid = grid
+        self.margin = margin
+        self.checkpoints = checkpoints
+        # (step, θ_step on the CPU) for the end-of-fit trajectories, every _stride-th due step.
+        self._kept: list[tuple[int, torch.Tensor]] = []
+        self._stride = 1
         self._loss = ProbeLoss("GradientPlane", mode, batch)
         # Known from setup on (or, for g0 and θ0, from a checkpoint's state).
         self.layout: ParameterLayout | None = None
@@ -121,6 +156,21 @@ class GradientPlane(Probe):
                 names.PLANE_U: SeriesSpec(size, "float64"),
                 names.PLANE_V: SeriesSpec(size, "float64"),
             }
+        if self.at_end:
+            rows = self.checkpoints + 1  # and θT
+            columns = len(names.PLANE_END_TRAJECTORY_COLUMNS)
+            vectors[names.PLANE_END_STEPS] = SeriesSpec((rows,), "float64")
+            for view in names.PLANE_END_VIEWS:
+                shapes = {
+                    "alphas": (self.grid,),
+                    "betas": (self.grid,),
+                    "losses": (self.grid, self.grid),
+                    "trajectory": (rows, columns),
+                }
+                if view != names.PLANE_END_VIEWS[0]:
+                    shapes |= {"u": size, "v": size}
+                for field, shape in shapes.items():
+                    vectors[names.plane_end(view, field)] = SeriesSpec(shape, "float64")
         return vectors
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
@@ -132,10 +182,17 @@ class GradientPlane(Probe):
         return vectors
 
     def settings(self) -> dict[str, Any]:
-        if self._loss.batch is None:
-            return self._loss.settings()
-        structure, _ = flatten_batch(self._loss.batch)
-        return self._loss.settings() | {names.PROBE_BATCH_STRUCTURE: structure}
+        settings = self._loss.settings()
+        if self._loss.batch is not None:
+            settings[names.PROBE_BATCH_STRUCTURE], _ = flatten_batch(self._loss.batch)
+        if self.at_end:
+            settings["at_end"] = {
+                "kind": None if self.plane is None else self.plane.kind,
+                "grid": self.grid,
+                "margin": self.margin,
+                "checkpoints": self.checkpoints,
+            }
+        return settings
 
     def is_due(self, step: int) -> bool:
         return self.plane is not None and super().is_due(step)
@@ -143,10 +200,53 @@ class GradientPlane(Probe):
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
         if trainer.is_global_zero:
             self._row = self._coordinates()
+            if self.at_end and (step // self.every_n_steps) % self._stride == 0:
+                self._kept.append((step, flatten(self._params).detach().cpu()))
+                if len(self._kept) > self.checkpoints:
+                    self._kept, self._stride = self._kept[::2], 2 * self._stride
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         row, self._row = self._row, None
         return {names.PLANE: row} if row is not None else {}
+
+    def final_vectors(self, trainer, pl_module) -> dict[str, np.ndarray]:
+        """The end-of-fit plane views (``at_end``), evaluated on global rank zero."""
+        if not (self.at_end and self.plane is not None and trainer.is_global_zero):
+            return {}
+        theta_final = flatten(self._params).detach().cpu()
+        steps = np.array([step for step, _ in self._kept] + [trainer.global_step])
+        # float32 rows: projections and losses take each row to float64 one at a time.
+        stacked = torch.stack([theta for _, theta in self._kept] + [theta_final])
+        thetas = (stacked if stacked.dtype == torch.float64 else stacked.float()).numpy()
+        with side_effect_free(pl_module, self.mode):
+            surface = LossSurface(pl_module, self.layout, self._loss.batch, mode=self.mode)
+            first = trajectory(names.PLANE, self.plane, steps, thetas, surface)
+            second_plane, _ = out_of_plane_view(self.plane, thetas[-1])
+            second = trajectory(names.PLANE, second_plane, steps, thetas, surface)
+            views = {
+                names.PLANE_END_VIEWS[0]: (self.plane, first, self._partner_paths()),
+                names.PLANE_END_VIEWS[1]: (second_plane, second, []),
+            }
+            vectors = {names.PLANE_END_STEPS: self._padded(steps)}
+            for view, (plane, path, others) in views.items():
+                grid = covering_grid(
+                    [(path.a, path.b), *others],
+                    num_alphas=self.grid,
+                    num_betas=self.grid,
+                    margin=self.margin,
+                )
+                vectors |= {
+                    names.plane_end(view, "alphas"): grid.alphas,
+                    names.plane_end(view, "betas"): grid.betas,
+                    names.plane_end(view, "losses"): evaluate_grid(surface, plane, grid),
+                    names.plane_end(view, "trajectory"): self._padded(_columns(path)),
+                }
+        vectors[names.plane_end(names.PLANE_END_VIEWS[1], "u")] = second_plane.u
+        vectors[names.plane_end(names.PLANE_END_VIEWS[1], "v")] = second_plane.v
+        return vectors
+
+    def teardown(self) -> None:
+        self._kept = []
 
     def state_dict(self) -> dict[str, Any]:
         if self._g0 is None:
@@ -155,12 +255,14 @@ class GradientPlane(Probe):
             "g0": self._g0.cpu(),
             "theta0": self._theta0.cpu(),
             "plane": None if self.plane is None else (self.plane.u, self.plane.v),
+            "kept": (list(self._kept), self._stride),
             **self._loss.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self._g0, self._theta0 = state["g0"], state["theta0"]
+            self._kept, self._stride = state.get("kept", ([], 1))
             self._loss.load_state_dict(state)
             if state["plane"] is not None:
                 u, v = state["plane"]
@@ -183,6 +285,26 @@ class GradientPlane(Probe):
             for i, t in enumerate(leaves)
         ]
 
+    def _padded(self, values: np.ndarray) -> np.ndarray:
+        """``values`` (one row per checkpoint) NaN-padded to the declared checkpoint rows."""
+        padded = np.full((self.checkpoints + 1, *values.shape[1:]), np.nan)
+        padded[: len(values)] = values
+        return padded
+
+    def _partner_paths(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The partner's snapshots and θT on the plane, so the heatmap covers both runs."""
+        if self.partner is None:
+            return []
+        partner = open_run(self.partner)
+        snapshots = partner.recorded(names.SNAPSHOTS)
+        thetas = [] if snapshots is None else [snapshots[names.SNAPSHOT_THETA]]
+        final = partner.vector(names.THETA_FINAL)
+        thetas += [] if final is None else [final[None]]
+        if not thetas:
+            return []
+        a, b, _ = project(self.plane, np.vstack(thetas))
+        return [(a, b)]
+
     def _plane_with_partner(self) -> Plane:
         try:
             partner = open_run(self.partner)
@@ -195,3 +317,7 @@ class GradientPlane(Probe):
             raise ValueError(f"GradientPlane partner {self.partner} stores no initial gradient g0")
         theta0 = self._theta0.double().cpu().numpy()
         return plane_from_gradients(theta0, g_partner, self._g0.double().cpu().numpy())
+
+
+def _columns(path: Trajectory) -> np.ndarray:
+    return np.stack([getattr(path, c) for c in names.PLANE_END_TRAJECTORY_COLUMNS], axis=1)

@@ -64,15 +64,31 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plane.add_argument("run_a", type=Path, help="run whose initial gradient gives u")
     plane.add_argument("run_b", type=Path, help="run whose initial gradient gives v")
+    plane.add_argument(
+        "--plane",
+        dest="plane_kind",
+        default="auto",
+        choices=("auto", "gradients", "gradient-endpoints", "pca", "random"),
+        help="default auto: the initial gradients' plane, or if they coincide g0 and the "
+        "endpoints' direction",
+    )
     plane.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
     plane.add_argument("--grid", type=int, default=41, help="grid points per axis (default 41)")
     plane.add_argument(
         "--span", type=float, default=0.25, help="margin around the trajectories, as a fraction"
     )
+    plane.add_argument(
+        "--coarse",
+        type=int,
+        metavar="N",
+        help="coarse to fine: an N×N grid first, then --grid points only near the trajectories",
+    )
     plane.add_argument("--overwrite", action="store_true", help="replace an existing output")
     plane.add_argument("--no-progress", action="store_true", help="no progress bars")
     plane.add_argument(
-        "--processes", type=int, default=1, help="split each grid across this many processes"
+        "--processes",
+        type=int,
+        help="split each grid across this many processes (default: the available cores)",
     )
     plane.add_argument(
         "--model",
@@ -188,13 +204,17 @@ def _plane(args: argparse.Namespace) -> int:
         args.run_b,
         args.output,
         args.overwrite,
+        plane=args.plane_kind,
         grid_side=args.grid,
         margin=args.span,
+        coarse=args.coarse,
         processes=args.processes,
         progress=not args.no_progress,
         model=args.model,
         init_args=_json_object(args.init_args, "--init-args"),
     )
+    for remark in written.remarks:
+        print(remark)
     for note, value in written.notes.items():
         print(f"{note}: {value:.4f}")
     print(f"wrote {written.html} (grids and trajectories in {written.results})")

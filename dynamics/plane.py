@@ -4,8 +4,10 @@ A :class:`Plane` is an origin θ0 and an orthonormal pair (u, v) of flat paramet
 run's :class:`~dynamics.params.ParameterLayout` order). The paper's Fig. 3 (seed 002, §2.3)
 uses the plane of two students' initial gradients and, for the out-of-plane view, the plane of
 a student's in-plane direction and the normalized part of its displacement orthogonal to the
-first plane. Random filter-normalized planes (Li et al. 2018) and PCA planes of a run's
-snapshots are built the same way, so the views can be compared.
+first plane. Runs whose initial gradients coincide (one model at two learning rates) get the
+plane of the initial gradient and the direction between their endpoints instead. Random
+filter-normalized planes (Li et al. 2018) and PCA planes of snapshots are built the same way,
+so the views can be compared.
 
 All arithmetic is float64 whatever the dtype of the vectors given, and nothing given is mutated.
 Bad vectors raise :class:`~dynamics.errors.DynamicsError` (a ``ValueError``) with one line.
@@ -33,6 +35,10 @@ COLLINEAR_TOLERANCE = 1e-6
 NEGLIGIBLE_FRACTION = 1e-12
 
 
+class CollinearGradients(DynamicsError):
+    """Two initial gradients point along one direction, so they span no plane."""
+
+
 @dataclass(frozen=True, eq=False)
 class Plane:
     """The affine plane θ0 + a·u + b·v of parameter space.
@@ -41,8 +47,9 @@ class Plane:
         origin: θ0, a flat float64 parameter vector.
         u: first unit basis vector (the heatmap's horizontal axis, coordinate ``a``).
         v: second unit basis vector, orthogonal to ``u`` (vertical axis, coordinate ``b``).
-        kind: how the plane was built: ``"gradients"``, ``"random-filter-normalized"``,
-            ``"pca"``, ``"out-of-plane"``, or anything a caller chooses.
+        kind: how the plane was built: ``"gradients"``, ``"gradient-endpoints"``,
+            ``"random-filter-normalized"``, ``"pca"``, ``"out-of-plane"``, or anything a caller
+            chooses.
         metadata: JSON-compatible facts about the construction (see each constructor).
 
     The vectors are stored as read-only float64 copies; construction raises ``DynamicsError`` if
@@ -137,8 +144,9 @@ def plane_from_gradients(theta0: ArrayLike, g_a: ArrayLike, g_b: ArrayLike) -> P
         ``cosine`` (cosine of the angle between the gradients).
 
     Raises:
-        DynamicsError: if the sizes differ, a gradient is zero or not finite, or the gradients
-            are collinear (sine of their angle below :data:`COLLINEAR_TOLERANCE`).
+        DynamicsError: if the sizes differ, or a gradient is zero or not finite.
+        CollinearGradients: if the gradients are collinear (sine of their angle below
+            :data:`COLLINEAR_TOLERANCE`).
     """
     theta0 = _as_vector(theta0, "theta0")
     g_a, g_b = _as_vector(g_a, "g_a"), _as_vector(g_b, "g_b")
@@ -151,8 +159,51 @@ def plane_from_gradients(theta0: ArrayLike, g_a: ArrayLike, g_b: ArrayLike) -> P
     v, sine = _orthonormalized(g_b, [u])
     cosine = float(g_a @ g_b) / (norm_a * norm_b)
     if sine < COLLINEAR_TOLERANCE:
-        raise DynamicsError(f"g_a and g_b are collinear (cosine {cosine:+.9f}): they span no plane")
+        raise CollinearGradients(
+            f"g_a and g_b are collinear (cosine {cosine:+.9f}): they span no plane"
+        )
     return Plane(theta0, u, v, "gradients", {"norm_a": norm_a, "norm_b": norm_b, "cosine": cosine})
+
+
+def plane_from_gradient_and_endpoints(
+    theta0: ArrayLike, g: ArrayLike, theta_a: ArrayLike, theta_b: ArrayLike
+) -> Plane:
+    """The plane through θ0 of an initial gradient and the direction between two endpoints.
+
+    For two runs whose initial gradients coincide: u = g/‖g‖ and v is θT_b − θT_a
+    Gram–Schmidt-orthogonalized against u, then normalized, so the plane still separates where
+    the two runs went.
+
+    Args:
+        theta0: the shared initial parameters.
+        g: the initial gradient (of either run).
+        theta_a: run A's final parameters.
+        theta_b: run B's final parameters.
+
+    Returns:
+        A plane of kind ``"gradient-endpoints"``; metadata ``norm_g``, ``endpoint_distance``
+        (‖θT_b − θT_a‖) and ``orthogonal_fraction`` (the share of that distance orthogonal to g).
+
+    Raises:
+        DynamicsError: if the sizes differ, an entry is not finite, g is zero, the endpoints
+            coincide, or their difference lies along g.
+    """
+    theta0, g = _as_vector(theta0, "theta0"), _as_vector(g, "g")
+    theta_a, theta_b = _as_vector(theta_a, "theta_a"), _as_vector(theta_b, "theta_b")
+    _check_sizes(theta0=theta0, g=g, theta_a=theta_a, theta_b=theta_b)
+    norm_g = float(np.linalg.norm(g))
+    if norm_g == 0.0:
+        raise DynamicsError("g is zero: a zero gradient spans no direction")
+    between = theta_b - theta_a
+    distance = float(np.linalg.norm(between))
+    if distance == 0.0:
+        raise DynamicsError("the two endpoints coincide: they give no direction")
+    u = g / norm_g
+    v, fraction = _orthonormalized(between, [u])
+    if fraction < COLLINEAR_TOLERANCE:
+        raise DynamicsError("the endpoints differ only along the gradient: they span no plane")
+    metadata = {"norm_g": norm_g, "endpoint_distance": distance, "orthogonal_fraction": fraction}
+    return Plane(theta0, u, v, "gradient-endpoints", metadata)
 
 
 def random_filter_normalized_plane(theta0: ArrayLike, layout: ParameterLayout, seed: int) -> Plane:
@@ -371,6 +422,31 @@ def covering_grid(
         pad = margin * (hi - lo)
         axes.append(np.linspace(lo - pad, hi + pad, num))
     return Grid(*axes)
+
+
+def near_paths(
+    grid: Grid, paths: Iterable[tuple[ArrayLike, ArrayLike]], radius: float
+) -> np.ndarray:
+    """Which grid points lie within ``radius`` grid steps of a path: where to refine a grid.
+
+    Each path is the polyline through its ``(a, b)`` points; distances are measured in units of
+    each axis's mean grid step, so ``radius=1`` is about one cell.
+
+    Returns:
+        A boolean array of shape ``grid.shape``.
+    """
+    steps = np.array([np.diff(grid.alphas).mean(), np.diff(grid.betas).mean()])
+    mesh = np.stack(np.meshgrid(grid.alphas, grid.betas), -1).reshape(-1, 2) / steps
+    near = np.zeros(len(mesh), dtype=bool)
+    for a, b in paths:
+        points = np.stack([np.ravel(a), np.ravel(b)], 1).astype(np.float64) / steps
+        for start, end in zip(points, points[1:] if len(points) > 1 else points):
+            direction = end - start
+            length = float(direction @ direction)
+            t = np.clip((mesh - start) @ direction / length, 0, 1) if length > 0 else 0.0
+            closest = start + np.multiply.outer(t, direction) if length > 0 else start
+            near |= np.linalg.norm(mesh - closest, axis=1) <= radius
+    return near.reshape(grid.shape)
 
 
 def _filter_normalized(

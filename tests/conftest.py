@@ -89,7 +89,7 @@ def make_quiet_trainer(**kwargs) -> pl.Trainer:
     return pl.Trainer(**options)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def quiet_trainer():
     return make_quiet_trainer
 

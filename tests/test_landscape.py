@@ -1,4 +1,4 @@
-"""Loss heatmaps over planes (dynamics.analysis.landscape)."""
+"""Loss heatmaps over planes (dynamics.landscape)."""
 
 from pathlib import Path
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dynamics.analysis.landscape import LossSurface, evaluate_grid
+from dynamics.landscape import LossSurface, evaluate_grid
 from dynamics.params import ParameterLayout, parameter_vector
 from dynamics.plane import Grid, Plane, plane_from_gradients
 
@@ -141,14 +141,15 @@ def test_distributed_flag_needs_a_process_group(setup):
         )
 
 
-def _evaluate_on_rank(rank: int, world: int, surface, plane, grid, tmp: Path) -> None:
+def _evaluate_on_rank(rank: int, world: int, surface, plane, grid, tmp: Path, where=None) -> None:
     # One thread in every process so a point is computed by the same kernels on every rank.
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world
     )
     try:
-        np.save(tmp / f"rank{rank}.npy", evaluate_grid(surface, plane, grid, distributed=True))
+        heatmap = evaluate_grid(surface, plane, grid, distributed=True, where=where)
+        np.save(tmp / f"rank{rank}.npy", heatmap)
         if rank == 0:
             np.save(tmp / "single.npy", evaluate_grid(surface, plane, grid))
     finally:
@@ -171,3 +172,24 @@ def test_distributed_evaluation_equals_one_process(setup, tmp_path):
     assert single.shape == (3, 5) and np.all(np.isfinite(single))
     for rank in range(2):
         np.testing.assert_array_equal(np.load(tmp_path / f"rank{rank}.npy"), single)
+
+
+def test_refined_points_alone_are_evaluated_alike_on_every_rank(setup, tmp_path):
+    model, layout, batch, plane = setup
+    surface = LossSurface(model, layout, batch)
+    grid = Grid(np.linspace(-1.0, 1.0, 5), np.linspace(-0.5, 0.5, 4))
+    where = np.zeros(grid.shape, dtype=bool)
+    where[0, :3] = where[2, 1:] = where[3, 4] = True  # row 1 has no point: no rank may wait
+
+    mp.start_processes(
+        _evaluate_on_rank,
+        args=(2, surface, plane, grid, tmp_path, where),
+        nprocs=2,
+        start_method="fork",
+    )
+
+    full = np.load(tmp_path / "single.npy")
+    for rank in range(2):
+        refined = np.load(tmp_path / f"rank{rank}.npy")
+        np.testing.assert_array_equal(refined[where], full[where])
+        assert np.isnan(refined[~where]).all()

@@ -72,6 +72,20 @@ def buffer_vector(prefix: str, dtype: str) -> str:
     return f"{prefix}.{dtype}"
 
 
+# Plane views evaluated in the training process at the end of fit (GradientPlane(at_end=True)):
+# plane_end.steps (checkpoint steps, NaN-padded), and per view (PLANE_END_VIEWS) its grid axes,
+# heatmap and trajectory (one row per checkpoint, columns PLANE_END_TRAJECTORY_COLUMNS); the
+# out-of-plane view also stores its basis. The first view's plane is plane_u/plane_v.
+PLANE_END_STEPS = "plane_end.steps"
+PLANE_END_VIEWS = ("plane", "out_of_plane")
+PLANE_END_TRAJECTORY_COLUMNS = ("a", "b", "r", "loss", "plane_loss")
+
+
+def plane_end(view: str, field: str) -> str:
+    """The vector of ``field`` (alphas, betas, losses, trajectory, u, v) of an at-end view."""
+    return f"plane_end.{view}.{field}"
+
+
 def float_bits(probe: str) -> str:
     """The vector holding the float width (32/64) a probe's extra passes computed in."""
     return f"{probe}_float_bits"

@@ -2,37 +2,90 @@
 
 A :class:`LossSurface` holds one module and one in-memory batch and answers "what is the loss at
 this parameter vector?". :func:`evaluate_grid` asks it at every point θ0 + a·u + b·v of a
-:class:`~dynamics.plane.Grid`, optionally split across the ranks of a torch.distributed
-process group.
+:class:`~dynamics.plane.Grid`, row chunk by row chunk, optionally split across the ranks of a
+torch.distributed process group. :func:`trajectory` puts a run's checkpoints on a plane with the
+loss there. Core, so that both the offline ``dynamics plane`` and a probe evaluating at the end
+of fit (``GradientPlane(at_end=True)``) use the same code.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from numpy.typing import ArrayLike
 from torch import nn
-from tqdm.auto import tqdm
 
+from dynamics.isolation import Mode, checked_mode
 from dynamics.loss_rule import module_loss
 from dynamics.nearest_buffers import NearestBuffers
 from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.plane import Grid, Plane
+from dynamics.plane import Grid, Plane, project
 
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]
+#: Called with ``(first_row, rows)`` as each chunk of a heatmap's rows is finished.
+RowsDone = Callable[[int, np.ndarray], None]
+
+
+class Progress(Protocol):
+    """What a progress display needs (a ``tqdm`` bar): told how many points were evaluated."""
+
+    def update(self, n: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A run's checkpoints on a plane, with the loss there and the loss read off the plane.
+
+    ``loss`` and ``plane_loss`` are NaN where no model was available to evaluate them.
+    """
+
+    run: str
+    step: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    r: np.ndarray
+    loss: np.ndarray  # at the real checkpoints θt
+    plane_loss: np.ndarray  # at their projections θ0 + a·u + b·v
+
+
+@dataclass(frozen=True)
+class PlaneView:
+    """One plane, the loss heatmap of one run's model on it, and trajectories drawn over it.
+
+    ``source`` says where the heatmap came from (a model rebuilt offline, or an evaluation made
+    in the training process); ``losses`` is None until the grid is evaluated.
+    """
+
+    title: str
+    plane: Plane
+    grid: Grid
+    run: str  # whose model the heatmap evaluates
+    losses: np.ndarray | None  # (len(betas), len(alphas))
+    trajectories: list[Trajectory]
+    notes: dict[str, float] = field(default_factory=dict)
+    source: str = "offline, by the model rebuilt from the run file, in eval mode"
+    #: Coarse to fine: ``losses`` only at the points of ``refine`` (NaN elsewhere), over a
+    #: coarse grid evaluated everywhere.
+    coarse_grid: Grid | None = None
+    coarse_losses: np.ndarray | None = None
+    refine: np.ndarray | None = None
+    #: Which buffers (BatchNorm statistics) the points use; empty when the model has none.
+    buffers: str = ""
 
 
 class LossSurface:
     """The loss of a module on a fixed in-memory batch, as a function of its parameter vector.
 
-    The module is copied once and switched to eval mode (dropout off, batch norm on its running
-    statistics). The copy's parameters are re-pointed into one flat buffer, so moving to a new
+    The module is copied once and, in ``"eval"`` mode, switched to eval mode (dropout off, batch
+    norm on its running statistics); in ``"train"`` mode the copy keeps the module's flags. The
+    copy's parameters are re-pointed into one flat buffer, so moving to a new
     parameter point is one vector write: no state dict, no per-tensor copies, no I/O. Frozen
     parameters and buffers keep the values they had in ``module``.
 
@@ -53,6 +106,7 @@ class LossSurface:
             (:func:`dynamics.loss_rule.module_loss`).
         seed: seed of the random draws a stochastic loss sees.
         buffers: the buffers each point uses; None: the module's own at every point.
+        mode: the :data:`~dynamics.isolation.Mode` the copy is evaluated in.
 
     Raises:
         ValueError: if the module lacks a parameter of ``layout`` or has it in another shape,
@@ -69,8 +123,11 @@ class LossSurface:
         *,
         seed: int = 0,
         buffers: NearestBuffers | None = None,
+        mode: Mode = "eval",
     ) -> None:
-        self._module = copy.deepcopy(module).eval()
+        self._module = copy.deepcopy(module)
+        if checked_mode(mode) == "eval":
+            self._module.eval()
         params = layout.parameters(self._module)
         outside = sorted(
             name
@@ -130,13 +187,12 @@ class LossSurface:
             return float(self._current_loss())
 
     @torch.no_grad()
-    def losses_on_plane(
-        self, plane: Plane, grid: Grid, points: range, *, progress: bool = False
-    ) -> torch.Tensor:
+    def losses_on_plane(self, plane: Plane, grid: Grid, points: Sequence[int]) -> torch.Tensor:
         """Losses at a range of grid points, flattened row-major over ``grid.shape``.
 
-        Point k is (alphas[k % len(alphas)], betas[k // len(alphas)]); a range lets ranks of a
-        distributed evaluation, or a caller that stores results per chunk, take slices. The
+        Point k is (alphas[k % len(alphas)], betas[k // len(alphas)]); increasing indices (a
+        range, or the points a grid is refined at) let ranks of a distributed evaluation, or a
+        caller that stores results per chunk, take slices. The
         parameters at a point are θ0 + b·v formed in float64 and rounded to the module's dtype,
         plus a·u added in that dtype: a few units in the last place from rounding the exact
         point once.
@@ -155,7 +211,7 @@ class LossSurface:
         losses = torch.empty(len(points), dtype=torch.float64, device=device)
         states = self._buffers.plane_coordinates(plane) if self._buffers is not None else None
         with self._fixed_draws() as reset:
-            for n, k in enumerate(tqdm(points, disable=not progress, unit="pt", desc="loss grid")):
+            for n, k in enumerate(points):
                 i, j = divmod(k, grid.alphas.size)
                 # θ0 + b·v is shared by a row: it is formed in float64 once per row, then each
                 # point is one add in the parameters' dtype written straight into them (a
@@ -209,25 +265,30 @@ def evaluate_grid(
     plane: Plane,
     grid: Grid,
     *,
-    progress: bool = False,
+    progress: Progress | None = None,
     distributed: bool = False,
+    on_rows: RowsDone | None = None,
+    where: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The loss at every point θ0 + a·u + b·v of a grid.
+    """The loss at every point θ0 + a·u + b·v of a grid, evaluated a chunk of rows at a time.
 
     Args:
         surface: the loss as a function of parameters.
         plane: the plane (origin θ0, basis u, v).
         grid: the coordinates; ``alphas`` along u, ``betas`` along v.
-        progress: show a tqdm progress bar (on rank 0 only when distributed).
-        distributed: split the points across the ranks of the already-initialized default
-            torch.distributed process group, each rank a contiguous slice, gathered once with
+        progress: told of each finished chunk's points (pass it on rank 0 only).
+        distributed: split each chunk's points across the ranks of the already-initialized
+            default torch.distributed process group, each rank a contiguous slice, gathered with
             ``all_gather``; every rank returns the full heatmap. The result equals a
             one-process evaluation as long as every rank computes a point the same way (same
             device kind, dtype and thread-count-independent kernels).
+        on_rows: called with ``(first_row, rows)`` as each chunk is finished (e.g. to write it
+            out, so an interrupted grid keeps its finished rows).
+        where: evaluate only where this boolean array of ``grid.shape`` is true.
 
     Returns:
         A float64 array of shape ``grid.shape`` = ``(len(betas), len(alphas))``:
-        ``heatmap[i, j]`` is the loss at a = alphas[j], b = betas[i].
+        ``heatmap[i, j]`` is the loss at a = alphas[j], b = betas[i] (NaN outside ``where``).
 
     Raises:
         ValueError: if the plane does not match the surface's layout, or ``distributed`` is
@@ -237,13 +298,67 @@ def evaluate_grid(
     if distributed and not (dist.is_available() and dist.is_initialized()):
         raise ValueError("distributed=True needs an initialized torch.distributed process group")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    per_rank = -(-grid.size // world)
-    start = min(rank * per_rank, grid.size)
-    points = range(start, min(start + per_rank, grid.size))
-    losses = surface.losses_on_plane(plane, grid, points, progress=progress and rank == 0)
-    if world > 1:
-        losses = _all_gathered(losses, per_rank)
-    return losses[: grid.size].cpu().numpy().reshape(grid.shape)
+    columns = grid.alphas.size
+    rows_per_chunk = -(-world // columns)  # one row, unless the ranks outnumber its points
+    wanted = np.ones(grid.size, dtype=bool) if where is None else np.ravel(where)
+    heatmap = np.full(grid.shape, np.nan)
+    for first in range(0, grid.betas.size, rows_per_chunk):
+        last = min(first + rows_per_chunk, grid.betas.size)
+        chunk = np.flatnonzero(wanted[first * columns : last * columns]) + first * columns
+        if not len(chunk):  # the same on every rank: no rank waits in a collective
+            continue
+        per_rank = -(-len(chunk) // world)
+        share = chunk[rank * per_rank : (rank + 1) * per_rank].tolist()
+        losses = surface.losses_on_plane(plane, grid, share)
+        if world > 1:
+            losses = _all_gathered(losses, per_rank)
+        heatmap.flat[chunk] = losses[: len(chunk)].cpu().numpy()
+        if progress is not None:
+            progress.update(len(chunk))
+        if on_rows is not None:
+            on_rows(first, heatmap[first:last])
+    return heatmap
+
+
+def trajectory(
+    run: str,
+    plane: Plane,
+    steps: np.ndarray,
+    thetas: np.ndarray,
+    surface: LossSurface | None,
+    progress: Progress | None = None,
+) -> Trajectory:
+    """Checkpoints θt on a plane: coordinates, the loss at θt and at its projection.
+
+    Without a ``surface`` (no model to evaluate) the losses are NaN.
+    """
+    a, b, r = project(plane, thetas)
+    if surface is None:
+        nan = np.full(a.shape, np.nan)
+        return Trajectory(run, np.asarray(steps), a, b, r, nan, nan.copy())
+
+    def loss(theta: np.ndarray) -> float:
+        value = surface.loss(theta)
+        if progress is not None:
+            progress.update(1)
+        return value
+
+    return Trajectory(
+        run=run,
+        step=np.asarray(steps),
+        a=a,
+        b=b,
+        r=r,
+        loss=np.array([loss(theta) for theta in thetas]),
+        plane_loss=np.array([loss(plane.point(x, y)) for x, y in zip(a, b)]),
+    )
+
+
+def in_plane_share(trajectory: Trajectory) -> float:
+    """The share (a² + b²)/‖θT − θ0‖² of a trajectory's last point inside its plane."""
+    a, b, r = trajectory.a[-1], trajectory.b[-1], trajectory.r[-1]
+    total = a * a + b * b + r * r
+    return float((a * a + b * b) / total) if total > 0 else float("nan")
 
 
 def _all_gathered(local: torch.Tensor, per_rank: int) -> torch.Tensor:
