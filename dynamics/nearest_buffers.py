@@ -80,7 +80,7 @@ class NearestBuffers:
         if not self._buffers:
             return None
         origin, u, v = (
-            torch.from_numpy(np.asarray(x, np.float64)) for x in (plane.origin, plane.u, plane.v)
+            torch.tensor(x, dtype=torch.float64) for x in (plane.origin, plane.u, plane.v)
         )
         a, b, r2 = [], [], []
         rows = max(1, _CHUNK_ENTRIES // max(1, origin.numel()))

@@ -164,7 +164,10 @@ def test_plane_command_draws_views_evaluated_in_training_without_the_model(
 ):
     folder, _ = cnn_runs
     out = tmp_path / "plane.html"
-    result = dynamics("plane", folder / "a.h5", folder / "b.h5", "-o", out, "--no-progress")
+    # From another folder, as the model's module (tests.test_plane_at_end) is importable here.
+    result = dynamics(
+        "plane", folder / "a.h5", folder / "b.h5", "-o", out, "--no-progress", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert "no heatmaps of a: " in result.stdout and "cannot" in result.stdout  # not importable
     page = out.read_text()
@@ -179,11 +182,11 @@ def test_plane_command_draws_views_evaluated_in_training_without_the_model(
             )
         a_path = views["view0"]["trajectory"]["a"]  # projected from a's snapshots, no losses
         assert np.isfinite(a_path["a"][:]).all() and np.isnan(a_path["loss"][:]).all()
-    swapped = dynamics("plane", folder / "b.h5", folder / "a.h5", "-o", tmp_path / "s.html")
-    one_line_error(swapped)  # u from b's g0: not the plane b evaluated in training
-    assert (
-        "cannot rebuild" in swapped.stderr and "b stored views on another plane" in swapped.stderr
+    swapped = dynamics(
+        "plane", folder / "b.h5", folder / "a.h5", "-o", tmp_path / "s.html", cwd=tmp_path
     )
+    one_line_error(swapped)  # u from b's g0: not the plane b evaluated in training
+    assert "cannot import" in swapped.stderr and "b stored views on another plane" in swapped.stderr
 
 
 # ---------------------------------------------------------------------------------------------

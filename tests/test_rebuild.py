@@ -221,7 +221,7 @@ def test_plane_through_a_model_file_matches_direct_evaluation(bn_runs, dynamics,
             with torch.no_grad():
                 direct = module_loss(rebuilt.eval(), batch).item()
             assert losses[i, j] == pytest.approx(direct, rel=1e-5)
-    assert "<p>Buffers: fast: each point uses the buffers" in out.read_text()
+    assert "<p class='note'>Buffers: fast: each point uses the buffers" in out.read_text()
 
 
 # ---------------------------------------------------------------------------------------------
