@@ -307,13 +307,21 @@ class Run:
         """Series lengths, step ranges, status, events and metadata, as ``dynamics info``
         prints them."""
         series = {}
-        for group in self.groups:
-            rows = self.series(group)
+        try:
+            # Only each group's step index and extents are read: a snapshot group can hold
+            # gigabytes that a summary never needs.
+            with _open(self.path) as file:
+                spans = {group: _step_span(file[SERIES][group]) for group in self.groups}
+        except OSError as error:
+            raise RunFileError(
+                f"{self.path}: cannot read its steps (truncated or corrupted?)"
+            ) from error
+        for group, (rows, first, last) in spans.items():
             series[group] = {
-                "rows": len(rows),
-                "first_step": int(rows.step[0]) if len(rows) else None,
-                "last_step": int(rows.step[-1]) if len(rows) else None,
-                "series": {n: list(v.shape[1:]) for n, v in rows.values.items()},
+                "rows": rows,
+                "first_step": first,
+                "last_step": last,
+                "series": {n: list(d.shape) for n, d in self._declared[group].items()},
             }
         return {
             "path": str(self.path),
@@ -423,10 +431,25 @@ def _read_rows(group: h5py.Group) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``(step, {series: values})`` of the group's complete rows."""
     step = group[STEP][:]
     values = {name: _values(d) for name, d in group.items() if name != STEP}
-    # A killed writer can leave extents ahead of data: keep the rows whose step and values all
-    # arrived (a strictly increasing prefix of written steps).
-    n = min([len(step), *(len(v) for v in values.values())])
+    n = _complete_rows(step, [len(v) for v in values.values()])
+    return step[:n], {k: v[:n] for k, v in values.items()}
+
+
+def _step_span(group: h5py.Group) -> tuple[int, int | None, int | None]:
+    """``(rows, first step, last step)`` of the group's complete rows, read from its step
+    index and its datasets' extents alone (first and last are None without a row)."""
+    step = group[STEP][:]
+    n = _complete_rows(step, [d.shape[0] for name, d in group.items() if name != STEP])
+    return (n, int(step[0]), int(step[n - 1])) if n else (0, None, None)
+
+
+def _complete_rows(step: np.ndarray, lengths: list[int]) -> int:
+    """How many leading rows are complete: their step and every value arrived.
+
+    A killed writer can leave extents ahead of data: the complete rows are a strictly
+    increasing prefix of written steps, no longer than any series.
+    """
+    n = min([len(step), *lengths])
     written = step[:n] != UNWRITTEN_STEP
     increasing = np.concatenate([[True], np.diff(step[:n]) > 0])
-    n = int(np.argmin(written & increasing)) if not (written & increasing).all() else n
-    return step[:n], {k: v[:n] for k, v in values.items()}
+    return int(np.argmin(written & increasing)) if not (written & increasing).all() else n
