@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import h5py
 import numpy as np
 
-from dynamics.store import names
+from dynamics.store import frames, names
 from dynamics.store.schema import (
     BFLOAT16,
     SCHEMA,
@@ -33,6 +33,9 @@ from dynamics.store.schema import (
 from dynamics.store.views import STANDARD_VIEWS, standard_view
 
 if TYPE_CHECKING:
+    import pandas as pd
+    import xarray as xr
+
     from dynamics.params import ParameterLayout
 
 
@@ -45,18 +48,55 @@ class Series:
         values: ``{name: array of shape (n, *row_shape)}``.
         columns: ``{name: names of the last axis}`` for series that name it.
         views: ``{name: how it is drawn}`` for series that are drawn (see :meth:`Run.views`).
+        group: the group's name in the run file.
     """
 
     step: np.ndarray
     values: dict[str, np.ndarray]
     columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
     views: dict[str, View] = field(default_factory=dict)
+    group: str = ""
 
     def __len__(self) -> int:
         return len(self.step)
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.values[name]
+
+    # --- pandas and xarray (optional: pip install 'dynamics[notebook]') ---
+
+    def to_pandas(self, long: bool = False) -> pd.DataFrame:
+        """The rows as a pandas DataFrame.
+
+        Wide (default): indexed by ``step``, one column per entry of a row, under a two-level
+        header ``(series, column)``: a scalar series has the column ``""``, so
+        ``frame["train"]`` is a Series and ``frame["norm"]`` a table of steps × layers named
+        as recorded (``<name>_<j>`` when the file names none). Rows of several axes get one
+        column per entry, named by the leading indices and the last axis's name
+        (``0/density_nodes_3``).
+
+        Long (``long=True``): one row per value, columns ``step``, ``series``, ``column``,
+        ``value`` (for plotly express, seaborn, groupby).
+
+        Raises:
+            DynamicsError: pandas is not installed.
+        """
+        return frames.series_frame(self, long)
+
+    def to_xarray(self) -> xr.Dataset:
+        """The rows as an xarray Dataset on the dimension ``step``.
+
+        Each series is a variable whose further dimensions are named after what they index:
+        ``layer`` (hidden-state norms, activation bias), ``eigen_index`` (Hessian eigenvalues
+        and residuals), ``tensor`` (per-tensor displacement), ``density_run`` and ``node``
+        (spectral density); a user's series ``<name>_column``. An axis the file names has its
+        names as coordinates; a drawn series carries its label and units as ``long_name`` and
+        ``units``, so ``dataset["norm"].plot.line(x="step")`` labels itself.
+
+        Raises:
+            DynamicsError: xarray is not installed.
+        """
+        return frames.series_dataset(self)
 
 
 @dataclass(frozen=True)
@@ -189,7 +229,7 @@ class Run:
                     f"{self.path}: cannot read series {group!r} (truncated or corrupted?)"
                 ) from error
             columns = {n: d.columns for n, d in self._declared[group].items() if d.columns}
-            self._series[group] = Series(step, values, columns, self.views(group))
+            self._series[group] = Series(step, values, columns, self.views(group), group)
         return self._series[group]
 
     def recorded(self, group: str) -> Series | None:
@@ -224,8 +264,7 @@ class Run:
         declared = self._declared[group][name]
         if declared.columns:
             return declared.columns
-        width = declared.shape[-1] if declared.shape else 1
-        return tuple(f"{name}_{j}" for j in range(width))
+        return frames.default_columns(name, declared.shape[-1] if declared.shape else 1)
 
     def train_loss(self) -> Metric | None:
         """The training loss (group ``loss``, series ``train``), or None when not recorded."""
@@ -335,6 +374,22 @@ class Run:
                 k: v for k, v in self.attrs.items() if k not in ("schema", names.ATTR_LAYOUT)
             },
         }
+
+    # --- xarray (optional: pip install 'dynamics[notebook]') ---
+
+    def to_xarray(self, groups: list[str] | None = None) -> xr.DataTree:
+        """The run's series as an xarray DataTree: one node per group, each the Dataset of
+        :meth:`Series.to_xarray` (groups have their own ``step`` index).
+
+        Args:
+            groups: the groups to read; default every group but the parameter snapshots,
+                which can hold gigabytes (name ``"snapshots"`` to read them).
+
+        Raises:
+            KeyError: a named group the run did not record.
+            DynamicsError: xarray is not installed.
+        """
+        return frames.run_tree(self, groups)
 
 
 def open_run(path: str | os.PathLike) -> Run:
