@@ -39,6 +39,7 @@ from dynamics.analysis.run_views import (
     group_title,
     loss_window,
     overshoot_peaks,
+    run_labels,
     run_overshoot,
     series_views,
 )
@@ -696,16 +697,11 @@ def _open_runs(runs: RunLike | Sequence[RunLike]) -> list[Run]:
 
 
 def _labels(runs: list[Run], labels: Sequence[str] | None) -> list[str]:
-    if labels is not None:
-        if len(labels) != len(runs):
-            raise DynamicsError(f"{len(labels)} labels for {len(runs)} runs")
-        return list(labels)
-    run_names = [run.name for run in runs]
-    # Two runs named alike (e.g. "shifted" from two output folders) stay told apart.
-    return [
-        f"{name} ({run.path.parent.name}/{run.path.name})" if run_names.count(name) > 1 else name
-        for name, run in zip(run_names, runs)
-    ]
+    if labels is None:
+        return run_labels(runs)
+    if len(labels) != len(runs):
+        raise DynamicsError(f"{len(labels)} labels for {len(runs)} runs")
+    return list(labels)
 
 
 def _group_views(

@@ -29,6 +29,7 @@ __all__ = [
     "group_title",
     "loss_window",
     "overshoot_peaks",
+    "run_labels",
     "run_overshoot",
     "series_views",
 ]
@@ -80,6 +81,16 @@ def drawn_groups(runs: Iterable[Run]) -> list[str]:
     """The groups any of the runs recorded, standard ones first, in drawing order."""
     recorded = {group for run in runs for group in run.groups}
     return [g for g in STANDARD_GROUPS if g in recorded] + sorted(recorded - {*STANDARD_GROUPS})
+
+
+def run_labels(runs: Sequence[Run]) -> list[str]:
+    """A label per run for legends and panel titles: its name, told apart by its file when
+    two runs are named alike (e.g. ``shifted`` from two output folders)."""
+    run_names = [run.name for run in runs]
+    return [
+        f"{name} ({run.path.parent.name}/{run.path.name})" if run_names.count(name) > 1 else name
+        for name, run in zip(run_names, runs)
+    ]
 
 
 def group_title(group: str) -> str:

@@ -95,7 +95,7 @@ def test_views_take_paths_and_compare_several_runs(recorded_runs):
     figure = figures.eigenvalues([str(recorded_runs[0]), Path(recorded_runs[1])])
     assert [t.name for t in figure.data] == ["lambda_1", "lambda_2"] * 2  # a panel per run
     (first, second) = (open_run(p).name for p in recorded_runs)
-    titles = [a.text for a in figure.layout.annotations]
+    titles = " · ".join(a.text for a in figure.layout.annotations)  # panel titles
     assert first in titles and second in titles
     assert len(figures.spectral_density(recorded_runs).data) == 2
 
