@@ -7,7 +7,7 @@ import pytest
 
 from dynamics import open_run
 from dynamics.errors import DynamicsError
-from dynamics.store import names
+from dynamics.store import RunWriter, SeriesSpec, names
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,17 @@ def test_run_tree_has_one_node_per_group_and_leaves_snapshots_unless_named(run):
     theta = snapshots[names.SNAPSHOTS][names.SNAPSHOT_THETA]
     assert theta.dims == ("step", "parameter") and theta.sizes["step"] > 0
     np.testing.assert_array_equal(theta.values, run.series(names.SNAPSHOTS)["theta"])
+
+
+def test_a_group_without_rows_is_empty_with_its_columns_named(tmp_path):
+    spec = SeriesSpec((2,), columns=("a", "b"))
+    RunWriter.create(tmp_path / "empty.h5", {names.HIDDEN_NORMS: {"norm": spec}}, {}, {}).close()
+    norms = open_run(tmp_path / "empty.h5").series(names.HIDDEN_NORMS)
+    frame = norms.to_pandas()
+    assert frame.empty and list(frame["norm"].columns) == ["a", "b"]
+    assert norms.to_pandas(long=True).empty
+    norm = norms.to_xarray()["norm"]
+    assert norm.dims == ("step", "layer") and norm.shape == (0, 2)
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,8 @@ def series_frame(series: Series, long: bool = False) -> pd.DataFrame:
     data = {}
     for name, values in series.values.items():
         labels = _column_labels(name, values.shape[1:], series.columns.get(name))
-        for label, column in zip(labels, values.reshape(len(values), -1).T):
+        entries = values.reshape(len(values), len(labels))  # -1 cannot size an empty group
+        for label, column in zip(labels, entries.T):
             data[(name, label)] = column
     wide = pd.DataFrame(data, index=pd.Index(series.step, name="step"))
     wide.columns.names = ["series", "column"]
