@@ -720,12 +720,25 @@ def _group_views(
         series = series_views(run, name, overshoot_peaks(overshoot) if overshoot else None)
         series = [s for s in series if only is None or s.name == only]
         if not series:
-            raise DynamicsError(f"{run.path}: no {only or name} recorded in {name!r}")
+            raise DynamicsError(f"{run.path}: {_not_drawn(run, name, only)}")
         drawn.append(series)
     title = None if only else group_title(name)
     if alone:
         return view_figure(drawn[0], title=title, window=loss_window(overshoot))
     return compared_view_figure(dict(zip(_labels(opened, labels), drawn)), title=title)
+
+
+def _not_drawn(run: Run, name: str, only: str | None) -> str:
+    """Why a run has nothing to draw of the group ``name`` (or of its series ``only``)."""
+    if name not in run.groups:
+        return f"no {name!r} recorded (it recorded {', '.join(run.groups) or 'nothing'})"
+    if len(run.series(name)) == 0:
+        return f"{name!r} holds no row"
+    if only is not None:
+        return f"no {only} recorded in {name!r}"
+    if name in (names.LOSS, names.VALIDATION):
+        return f"nothing in {name!r} is drawn from a view; figures.loss draws the loss"
+    return f"no series of {name!r} declares a view"
 
 
 def _plane_rows(run: RunLike, needed: tuple[str, ...]) -> Series:

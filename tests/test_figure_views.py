@@ -158,8 +158,11 @@ def test_plane_path_and_share_match_the_recorded_displacement(demo):
 def test_a_view_a_run_did_not_record_is_one_clear_error(run, recorded_runs, tmp_path):
     with pytest.raises(DynamicsError, match=r"no plane coordinates \(a, b\) recorded$"):
         figures.plane_path(run)
-    with pytest.raises(DynamicsError, match="no eigenvalues recorded in 'hessian'"):
-        figures.eigenvalues(overshooting_run(tmp_path))
+    synthetic = overshooting_run(tmp_path)  # norms and loss only
+    with pytest.raises(DynamicsError, match=r"no 'hessian' recorded \(it recorded hidden_norms"):
+        figures.eigenvalues(synthetic)
+    with pytest.raises(DynamicsError, match="figures.loss draws the loss$"):
+        figures.group(synthetic, names.LOSS)
     with pytest.raises(DynamicsError, match="1 labels for 2 runs"):
         figures.loss(recorded_runs, labels=["one"])
     with pytest.raises(DynamicsError, match="no such file"):
