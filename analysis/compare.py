@@ -44,6 +44,7 @@ from dynamics.analysis.figures import (
     compared_view_figure,
     density_figure,
     line_figure,
+    loss,
     run_colors,
 )
 from dynamics.analysis.output import check_output
@@ -55,6 +56,7 @@ from dynamics.analysis.run_views import (
     density_rows,
     drawn_groups,
     group_title,
+    run_labels,
     run_overshoot,
     series_views,
 )
@@ -98,7 +100,7 @@ def write_comparison(
     for run in runs:
         if run.train_loss() is None and run.heldout_loss() is None:
             raise DynamicsError(f"{run.path}: no training or held-out loss series to compare")
-    labels = _labels(runs)
+    labels = run_labels(runs)
     overshoots = [run_overshoot(run) for run in runs]
     pairs = _checks(runs, labels)
     figures = _figures(runs, labels)
@@ -268,7 +270,7 @@ _STATUS_CLASS = {DIFFERS: "warning", NOT_RECORDED: "flag"}
 
 def _figures(runs: list[Run], labels: list[str]) -> list[tuple[str, go.Figure]]:
     colors = run_colors(len(runs))
-    figures = [("loss", _loss_overlay(runs, labels, colors))]
+    figures = [("loss", loss(runs, labels=labels))]
     difference = _difference_figure(runs, labels, colors)
     if difference is not None:
         figures.append(("loss-difference", difference))
@@ -299,27 +301,6 @@ def _figures(runs: list[Run], labels: list[str]) -> list[tuple[str, go.Figure]]:
             if densities:
                 figures.append(("spectral-density", density_figure(densities)))
     return figures
-
-
-def _loss_overlay(runs: list[Run], labels: list[str], colors: list[str]) -> go.Figure:
-    curves = []
-    for run, label, color in zip(runs, labels, colors):
-        train, held = run.train_loss(), run.heldout_loss()
-        if train is not None:
-            curves.append(Curve(f"{label} train", train.step, train.values, color, group=label))
-        if held is not None:
-            curves.append(
-                Curve(
-                    f"{label} held-out",
-                    held.step,
-                    held.values,
-                    color,
-                    dash="dash",
-                    markers=True,
-                    group=label,
-                )
-            )
-    return line_figure(curves, title="Loss", y_title="loss", log_y=True)
 
 
 def _difference_figure(runs: list[Run], labels: list[str], colors: list[str]) -> go.Figure | None:
@@ -420,12 +401,3 @@ def _ratio_cells(ratio: tuple[np.ndarray, np.ndarray]) -> tuple[str, str, str]:
         f"{np.median(values):.3g}",
         f"{values[-1]:.3g} (step {steps[-1]:g})",
     )
-
-
-def _labels(runs: list[Run]) -> list[str]:
-    run_names = [run.name for run in runs]
-    # Two runs named alike (e.g. "shifted" from two output folders) stay told apart.
-    return [
-        f"{name} ({run.path.parent.name}/{run.path.name})" if run_names.count(name) > 1 else name
-        for name, run in zip(run_names, runs)
-    ]

@@ -1,9 +1,17 @@
-"""Plotly figures of recorded series: pure functions of arrays, decimated without losing peaks.
+"""Plotly figures of recorded runs: one call per view, for a notebook or a page.
 
-Every builder takes numpy arrays (or :class:`Curve` and :class:`SeriesView` bundles of them) and
-returns a ``plotly.graph_objects.Figure``; nothing here reads a run file. :func:`view_figure`
-and :func:`compared_view_figure` draw any series as the :class:`~dynamics.store.View` it was
-recorded with says; the others are the dedicated views (loss, plane path, spectral density).
+Two levels, both public and stable:
+
+- **Views of runs** (:func:`loss`, :func:`hidden_norms`, :func:`eigenvalues`,
+  :func:`displacement`, :func:`spectral_density`, :func:`plane_path`, :func:`plane_share`,
+  :func:`group`): each takes a run (a :class:`~dynamics.store.Run` or a path) or several and
+  returns the figure ``dynamics report`` (one run) or ``dynamics compare`` (several) draws of
+  it, e.g. ``figures.hidden_norms("runs/demo/shifted.h5").show()`` in Jupyter.
+- **Builders** (``*_figure``): pure functions of arrays (or :class:`Curve` and
+  :class:`SeriesView` bundles of them) that the views above and the pages are made of.
+  :func:`view_figure` and :func:`compared_view_figure` draw any series as the
+  :class:`~dynamics.store.View` it was recorded with says.
+
 A trace longer than the display budget is decimated by :func:`decimate`, which keeps the
 minimum and the maximum of each bucket of consecutive records, so an overshoot peak or a loss
 spike is never smoothed away; a figure holding a decimated trace says so in its subtitle.
@@ -14,6 +22,7 @@ SVG is fast enough and renders everywhere, headless browsers without a GPU inclu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -23,28 +32,52 @@ from numpy.typing import ArrayLike
 from plotly.colors import qualitative, sample_colorscale
 from plotly.subplots import make_subplots
 
+from dynamics.analysis.run_views import (
+    Peak,
+    SeriesView,
+    density_rows,
+    group_title,
+    loss_window,
+    overshoot_peaks,
+    run_labels,
+    run_overshoot,
+    series_views,
+)
 from dynamics.broadening import broadened_density
-from dynamics.store import View
+from dynamics.errors import DynamicsError
+from dynamics.store import Run, Series, names, open_run
 
 __all__ = [
     "DISPLAY_BUDGET",
     "Curve",
     "Decimated",
     "Peak",
+    "RunLike",
     "SeriesView",
     "compared_view_figure",
     "decimate",
     "density_figure",
+    "displacement",
     "displacement_figure",
+    "eigenvalues",
+    "group",
     "hessian_figure",
+    "hidden_norms",
     "layer_figure",
     "line_figure",
+    "loss",
     "loss_figure",
     "panels_figure",
     "plane_figure",
+    "plane_path",
+    "plane_share",
     "run_colors",
+    "spectral_density",
     "view_figure",
 ]
+
+#: A run for the views of runs: an open :class:`~dynamics.store.Run`, or the path of its file.
+RunLike = Run | str | os.PathLike
 
 #: Points per trace above which a trace is decimated for display. 2,000 points is more than a
 #: figure's pixel width, so the min/max envelope looks the same as the full series, and keeps a
@@ -101,36 +134,6 @@ class Curve:
     markers: bool = False
     group: str | None = None
     show_legend: bool = True
-
-
-@dataclass(frozen=True)
-class Peak:
-    """An overshoot peak to mark: a layer's name, the step and the value of its maximum."""
-
-    name: str
-    step: float
-    value: float
-
-
-@dataclass(frozen=True)
-class SeriesView:
-    """A recorded series with the view it declared: what :func:`view_figure` draws.
-
-    Attributes:
-        name: the series' name in its group; several runs' series are matched by it.
-        view: how it is drawn.
-        step: steps, shape (n,).
-        values: shape (n,) or (n, columns); further axes are flattened into columns.
-        columns: names of the columns (default ``<name>_<j>``).
-        peaks: overshoot peaks to mark, each on the column its name names.
-    """
-
-    name: str
-    view: View
-    step: np.ndarray
-    values: np.ndarray
-    columns: Sequence[str] = ()
-    peaks: Sequence[Peak] = ()
 
 
 def decimate(step: ArrayLike, values: ArrayLike, budget: int = DISPLAY_BUDGET) -> Decimated:
@@ -507,6 +510,247 @@ def density_figure(
     )
     block = _Block("Hessian spectral density", "eigenvalue", panels, colour_title="log10 density")
     return _blocks_figure([block], None, None, budget)
+
+
+# --- Views of runs: what `dynamics report` and `dynamics compare` draw, one call each ---
+
+
+def loss(runs: RunLike | Sequence[RunLike], *, labels: Sequence[str] | None = None) -> go.Figure:
+    """The training and held-out loss on a log axis.
+
+    One run: with the window of fastest loss descent shaded when the run recorded hidden-state
+    norms (the window its overshoot verdicts are judged against), as its report draws it.
+    Several runs: overlaid, one colour per run, training loss solid and held-out dashed, as the
+    comparison page draws them.
+
+    Args:
+        runs: a run (a :class:`~dynamics.store.Run` or the path of its file), or several.
+        labels: the legend names of several runs; default their names, told apart by their
+            files when alike.
+
+    Raises:
+        DynamicsError: a run recorded neither loss, a path is not a readable run file, or
+            the labels do not match the runs.
+    """
+    opened = _open_runs(runs)
+    for run in opened:
+        if run.train_loss() is None and run.heldout_loss() is None:
+            raise DynamicsError(f"{run.path}: no training or held-out loss recorded")
+    if len(opened) == 1:
+        run = opened[0]
+        train, heldout = run.train_loss(), run.heldout_loss()
+        return loss_figure(
+            None if train is None else (train.step, train.values),
+            None if heldout is None else (heldout.step, heldout.values),
+            heldout_name=None if heldout is None else heldout.name,
+            window=loss_window(run_overshoot(run)),
+        )
+    curves = []
+    for run, label, color in zip(opened, _labels(opened, labels), run_colors(len(opened))):
+        train, heldout = run.train_loss(), run.heldout_loss()
+        if train is not None:
+            curves.append(Curve(f"{label} train", train.step, train.values, color, group=label))
+        if heldout is not None:
+            curves.append(
+                Curve(
+                    f"{label} held-out",
+                    heldout.step,
+                    heldout.values,
+                    color,
+                    dash="dash",
+                    markers=True,
+                    group=label,
+                )
+            )
+    return line_figure(curves, title="Loss", y_title="loss", log_y=True)
+
+
+def hidden_norms(
+    runs: RunLike | Sequence[RunLike], *, labels: Sequence[str] | None = None
+) -> go.Figure:
+    """The hidden-state norm of every recorded layer, one panel per layer.
+
+    One run: with its overshoot peaks starred and the window of fastest loss descent shaded,
+    as its report draws it. Several runs: one line per run in each layer's panel.
+
+    Args:
+        runs: a run or several (see :func:`loss`).
+        labels: the legend names of several runs (see :func:`loss`).
+
+    Raises:
+        DynamicsError: a run recorded no hidden-state norms, or its norms cannot be judged
+            for overshoot (too few records).
+    """
+    return _group_views(runs, names.HIDDEN_NORMS, labels)
+
+
+def eigenvalues(
+    runs: RunLike | Sequence[RunLike], *, labels: Sequence[str] | None = None
+) -> go.Figure:
+    """The top Hessian eigenvalues over steps (one line per eigenvalue; one panel per run).
+
+    Args:
+        runs: a run or several (see :func:`loss`).
+        labels: the panel titles of several runs (see :func:`loss`).
+
+    Raises:
+        DynamicsError: a run recorded no Hessian eigenvalues.
+    """
+    return _group_views(runs, names.HESSIAN, labels, only=names.HESSIAN_EIGENVALUES)
+
+
+def displacement(
+    runs: RunLike | Sequence[RunLike], *, labels: Sequence[str] | None = None
+) -> go.Figure:
+    """The distance from the initialization (in total and per tensor) and the update size.
+
+    Args:
+        runs: a run or several (see :func:`loss`).
+        labels: the legend names of several runs (see :func:`loss`).
+
+    Raises:
+        DynamicsError: a run recorded no parameter displacement.
+    """
+    return _group_views(runs, names.DISPLACEMENT, labels)
+
+
+def group(
+    runs: RunLike | Sequence[RunLike], name: str, *, labels: Sequence[str] | None = None
+) -> go.Figure:
+    """Every drawn series of a recorded group, as the views it was recorded with say.
+
+    Any group is drawn this way, that of a user's own probe included; the loss (training and
+    held-out) is left to :func:`loss`, which draws it with its window.
+
+    Args:
+        runs: a run or several (see :func:`loss`).
+        name: the group, e.g. ``"hessian"`` or a user probe's name.
+        labels: the legend names of several runs (see :func:`loss`).
+
+    Raises:
+        DynamicsError: a run recorded no drawn series in the group.
+    """
+    return _group_views(runs, name, labels)
+
+
+def spectral_density(
+    runs: RunLike | Sequence[RunLike], *, labels: Sequence[str] | None = None
+) -> go.Figure:
+    """The Hessian's spectral density over steps, one heatmap per run on one scale (see
+    :func:`density_figure`).
+
+    Args:
+        runs: a run or several (see :func:`loss`).
+        labels: the panel titles of several runs (see :func:`loss`).
+
+    Raises:
+        DynamicsError: a run recorded no spectral density (``HessianSpectrum(density_runs=...)``)
+            or no finite row of it.
+    """
+    opened = _open_runs(runs)
+    rows = [density_rows(run) for run in opened]
+    for run, density in zip(opened, rows):
+        if density is None:
+            raise DynamicsError(f"{run.path}: no spectral density recorded")
+    titles = [""] if len(opened) == 1 else _labels(opened, labels)
+    return density_figure(dict(zip(titles, rows)))
+
+
+def plane_path(run: RunLike) -> go.Figure:
+    """The run's path on the plane of initial gradients: the coordinates ``(a, b)`` of
+    θt − θ0 recorded by :class:`~dynamics.callbacks.GradientPlane`, coloured by step.
+
+    Raises:
+        DynamicsError: the run recorded no plane coordinates.
+    """
+    plane = _plane_rows(run, (names.PLANE_A, names.PLANE_B))
+    return plane_figure(plane.step, plane[names.PLANE_A], plane[names.PLANE_B])
+
+
+def plane_share(run: RunLike) -> go.Figure:
+    """The share of the displacement inside the plane of initial gradients,
+    (a² + b²) / ‖θt − θ0‖², where ‖θt − θ0‖² = a² + b² + r² and r is the recorded norm of the
+    displacement's part orthogonal to the plane (NaN before the run has moved).
+
+    Raises:
+        DynamicsError: the run recorded no plane coordinates with their orthogonal norm.
+    """
+    plane = _plane_rows(run, (names.PLANE_A, names.PLANE_B, names.PLANE_R))
+    a, b, r = (plane[n].astype(float) for n in (names.PLANE_A, names.PLANE_B, names.PLANE_R))
+    inside = a**2 + b**2
+    total = inside + r**2
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(total > 0, inside / total, np.nan)
+    curve = Curve("(a² + b²) / ‖θt − θ0‖²", plane.step, share, "#8c564b")
+    return line_figure(
+        [curve], title="Share of the displacement inside the plane", y_title="share of ‖θt − θ0‖²"
+    )
+
+
+def _open_runs(runs: RunLike | Sequence[RunLike]) -> list[Run]:
+    if isinstance(runs, Run | str | os.PathLike):
+        runs = [runs]
+    opened = [run if isinstance(run, Run) else open_run(run) for run in runs]
+    if not opened:
+        raise DynamicsError("no run given")
+    return opened
+
+
+def _labels(runs: list[Run], labels: Sequence[str] | None) -> list[str]:
+    if labels is None:
+        return run_labels(runs)
+    if len(labels) != len(runs):
+        raise DynamicsError(f"{len(labels)} labels for {len(runs)} runs")
+    return list(labels)
+
+
+def _group_views(
+    runs: RunLike | Sequence[RunLike],
+    name: str,
+    labels: Sequence[str] | None,
+    only: str | None = None,
+) -> go.Figure:
+    """The group's series (or only the series ``only``) of one run, or of several compared."""
+    opened = _open_runs(runs)
+    alone = len(opened) == 1
+    # One run's norms carry its overshoot verdicts, as in its report.
+    overshoot = run_overshoot(opened[0]) if alone and name == names.HIDDEN_NORMS else None
+    drawn = []
+    for run in opened:
+        series = series_views(run, name, overshoot_peaks(overshoot) if overshoot else None)
+        series = [s for s in series if only is None or s.name == only]
+        if not series:
+            raise DynamicsError(f"{run.path}: {_not_drawn(run, name, only)}")
+        drawn.append(series)
+    title = None if only else group_title(name)
+    if alone:
+        return view_figure(drawn[0], title=title, window=loss_window(overshoot))
+    return compared_view_figure(dict(zip(_labels(opened, labels), drawn)), title=title)
+
+
+def _not_drawn(run: Run, name: str, only: str | None) -> str:
+    """Why a run has nothing to draw of the group ``name`` (or of its series ``only``)."""
+    if name not in run.groups:
+        return f"no {name!r} recorded (it recorded {', '.join(run.groups) or 'nothing'})"
+    if len(run.series(name)) == 0:
+        return f"{name!r} holds no row"
+    if only is not None:
+        return f"no {only} recorded in {name!r}"
+    if name in (names.LOSS, names.VALIDATION):
+        return f"nothing in {name!r} is drawn from a view; figures.loss draws the loss"
+    return f"no series of {name!r} declares a view"
+
+
+def _plane_rows(run: RunLike, needed: tuple[str, ...]) -> Series:
+    opened = _open_runs(run)
+    if len(opened) != 1:
+        raise DynamicsError("the plane is drawn for one run at a time")
+    plane = opened[0].recorded(names.PLANE)
+    if plane is None or not all(n in plane.values for n in needed):
+        raise DynamicsError(
+            f"{opened[0].path}: no plane coordinates ({', '.join(needed)}) recorded"
+        )
+    return plane
 
 
 @dataclass(frozen=True)

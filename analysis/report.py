@@ -16,16 +16,14 @@ import json
 import os
 from collections.abc import Sequence
 
-import numpy as np
 import plotly.graph_objects as go
 
 from dynamics import __version__
 from dynamics.analysis.figures import (
-    Curve,
     density_figure,
-    line_figure,
-    loss_figure,
-    plane_figure,
+    loss,
+    plane_path,
+    plane_share,
     view_figure,
 )
 from dynamics.analysis.output import check_output
@@ -176,15 +174,8 @@ def _run_figures(run: Run, overshoot: OvershootReport | None) -> list[tuple[str,
     """The figures of one run, ``(file-name key, figure)``: the loss, then group by group."""
     window = loss_window(overshoot)
     figures = []
-    train, heldout = run.train_loss(), run.heldout_loss()
-    if train is not None or heldout is not None:
-        figure = loss_figure(
-            None if train is None else (train.step, train.values),
-            None if heldout is None else (heldout.step, heldout.values),
-            heldout_name=None if heldout is None else heldout.name,
-            window=window,
-        )
-        figures.append(("loss", figure))
+    if run.train_loss() is not None or run.heldout_loss() is not None:
+        figures.append(("loss", loss(run)))
     for group in drawn_groups([run]):
         if group == names.PLANE:
             figures += _plane_figures(run)
@@ -209,24 +200,9 @@ def _plane_figures(run: Run) -> list[tuple[str, go.Figure]]:
     plane = run.recorded(names.PLANE)
     if plane is None or names.PLANE_A not in plane.values or names.PLANE_B not in plane.values:
         return []
-    a, b = plane[names.PLANE_A], plane[names.PLANE_B]
-    figures = [("plane-path", plane_figure(plane.step, a, b))]
+    figures = [("plane-path", plane_path(run))]
     if names.PLANE_R in plane.values:
-        inside = a.astype(float) ** 2 + b.astype(float) ** 2
-        total = inside + plane[names.PLANE_R].astype(float) ** 2
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = np.where(total > 0, inside / total, np.nan)
-        curve = Curve("(a² + b²) / ‖θt − θ0‖²", plane.step, share, "#8c564b")
-        figures.append(
-            (
-                "plane-share",
-                line_figure(
-                    [curve],
-                    title="Share of the displacement inside the plane",
-                    y_title="share of ‖θt − θ0‖²",
-                ),
-            )
-        )
+        figures.append(("plane-share", plane_share(run)))
     if names.PLANE_END_STEPS in run.vector_names:  # GradientPlane(at_end=True); needs torch
         from dynamics.analysis.plane_report import heatmap_figure
         from dynamics.analysis.plane_views import recorded_views

@@ -11,22 +11,25 @@ the overshoot verdicts marked on them (:func:`run_overshoot`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from dynamics.analysis.figures import Peak, SeriesView
 from dynamics.analysis.overshoot import OvershootReport, detect_overshoot
 from dynamics.errors import DynamicsError
-from dynamics.store import Run, names
+from dynamics.store import Run, View, names
 
 __all__ = [
     "STANDARD_GROUPS",
+    "Peak",
+    "SeriesView",
     "dedicated_series",
     "density_rows",
     "drawn_groups",
     "group_title",
     "loss_window",
     "overshoot_peaks",
+    "run_labels",
     "run_overshoot",
     "series_views",
 ]
@@ -43,10 +46,51 @@ STANDARD_GROUPS = (
 )
 
 
+@dataclass(frozen=True)
+class Peak:
+    """An overshoot peak to mark: a layer's name, the step and the value of its maximum."""
+
+    name: str
+    step: float
+    value: float
+
+
+@dataclass(frozen=True)
+class SeriesView:
+    """A recorded series with the view it declared: what
+    :func:`~dynamics.analysis.figures.view_figure` draws.
+
+    Attributes:
+        name: the series' name in its group; several runs' series are matched by it.
+        view: how it is drawn.
+        step: steps, shape (n,).
+        values: shape (n,) or (n, columns); further axes are flattened into columns.
+        columns: names of the columns (default ``<name>_<j>``).
+        peaks: overshoot peaks to mark, each on the column its name names.
+    """
+
+    name: str
+    view: View
+    step: np.ndarray
+    values: np.ndarray
+    columns: Sequence[str] = ()
+    peaks: Sequence[Peak] = ()
+
+
 def drawn_groups(runs: Iterable[Run]) -> list[str]:
     """The groups any of the runs recorded, standard ones first, in drawing order."""
     recorded = {group for run in runs for group in run.groups}
     return [g for g in STANDARD_GROUPS if g in recorded] + sorted(recorded - {*STANDARD_GROUPS})
+
+
+def run_labels(runs: Sequence[Run]) -> list[str]:
+    """A label per run for legends and panel titles: its name, told apart by its file when
+    two runs are named alike (e.g. ``shifted`` from two output folders)."""
+    run_names = [run.name for run in runs]
+    return [
+        f"{name} ({run.path.parent.name}/{run.path.name})" if run_names.count(name) > 1 else name
+        for name, run in zip(run_names, runs)
+    ]
 
 
 def group_title(group: str) -> str:

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from dynamics.errors import DynamicsError
-from dynamics.store import names
+from dynamics.store import frames, names
 from dynamics.store.schema import (
     BFLOAT16,
     SCHEMA,
@@ -35,6 +35,8 @@ from dynamics.store.schema import (
 from dynamics.store.views import STANDARD_VIEWS, standard_view
 
 if TYPE_CHECKING:
+    import pandas as pd
+    import xarray as xr
     from torch import nn
 
     from dynamics.params import BufferLayout, ParameterLayout
@@ -49,18 +51,55 @@ class Series:
         values: ``{name: array of shape (n, *row_shape)}``.
         columns: ``{name: names of the last axis}`` for series that name it.
         views: ``{name: how it is drawn}`` for series that are drawn (see :meth:`Run.views`).
+        group: the group's name in the run file.
     """
 
     step: np.ndarray
     values: dict[str, np.ndarray]
     columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
     views: dict[str, View] = field(default_factory=dict)
+    group: str = ""
 
     def __len__(self) -> int:
         return len(self.step)
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.values[name]
+
+    # --- pandas and xarray (optional: pip install 'dynamics[notebook]') ---
+
+    def to_pandas(self, long: bool = False) -> pd.DataFrame:
+        """The rows as a pandas DataFrame.
+
+        Wide (default): indexed by ``step``, one column per entry of a row, under a two-level
+        header ``(series, column)``: a scalar series has the column ``""``, so
+        ``frame["train"]`` is a Series and ``frame["norm"]`` a table of steps × layers named
+        as recorded (``<name>_<j>`` when the file names none). Rows of several axes get one
+        column per entry, named by the leading indices and the last axis's name
+        (``0/density_nodes_3``).
+
+        Long (``long=True``): one row per value, columns ``step``, ``series``, ``column``,
+        ``value`` (for plotly express, seaborn, groupby).
+
+        Raises:
+            DynamicsError: pandas is not installed.
+        """
+        return frames.series_frame(self, long)
+
+    def to_xarray(self) -> xr.Dataset:
+        """The rows as an xarray Dataset on the dimension ``step``.
+
+        Each series is a variable whose further dimensions are named after what they index:
+        ``layer`` (hidden-state norms, activation bias), ``eigen_index`` (Hessian eigenvalues
+        and residuals), ``tensor`` (per-tensor displacement), ``density_run`` and ``node``
+        (spectral density); a user's series ``<name>_column``. An axis the file names has its
+        names as coordinates; a drawn series carries its label and units as ``long_name`` and
+        ``units``, so ``dataset["norm"].plot.line(x="step")`` labels itself.
+
+        Raises:
+            DynamicsError: xarray is not installed.
+        """
+        return frames.series_dataset(self)
 
 
 @dataclass(frozen=True)
@@ -308,7 +347,7 @@ class Run:
                     f"{self.path}: cannot read series {group!r} (truncated or corrupted?)"
                 ) from error
             columns = {n: d.columns for n, d in self._declared[group].items() if d.columns}
-            self._series[group] = Series(step, values, columns, self.views(group))
+            self._series[group] = Series(step, values, columns, self.views(group), group)
         return self._series[group]
 
     def recorded(self, group: str) -> Series | None:
@@ -343,8 +382,7 @@ class Run:
         declared = self._declared[group][name]
         if declared.columns:
             return declared.columns
-        width = declared.shape[-1] if declared.shape else 1
-        return tuple(f"{name}_{j}" for j in range(width))
+        return frames.default_columns(name, declared.shape[-1] if declared.shape else 1)
 
     def train_loss(self) -> Metric | None:
         """The training loss (group ``loss``, series ``train``), or None when not recorded."""
@@ -426,13 +464,21 @@ class Run:
         """Series lengths, step ranges, status, events and metadata, as ``dynamics info``
         prints them."""
         series = {}
-        for group in self.groups:
-            rows = self.series(group)
+        try:
+            # Only each group's step index and extents are read: a snapshot group can hold
+            # gigabytes that a summary never needs.
+            with _open(self.path) as file:
+                spans = {group: _step_span(file[SERIES][group]) for group in self.groups}
+        except OSError as error:
+            raise RunFileError(
+                f"{self.path}: cannot read its steps (truncated or corrupted?)"
+            ) from error
+        for group, (rows, first, last) in spans.items():
             series[group] = {
-                "rows": len(rows),
-                "first_step": int(rows.step[0]) if len(rows) else None,
-                "last_step": int(rows.step[-1]) if len(rows) else None,
-                "series": {n: list(v.shape[1:]) for n, v in rows.values.items()},
+                "rows": rows,
+                "first_step": first,
+                "last_step": last,
+                "series": {n: list(d.shape) for n, d in self._declared[group].items()},
             }
         return {
             "path": str(self.path),
@@ -446,6 +492,22 @@ class Run:
                 k: v for k, v in self.attrs.items() if k not in ("schema", names.ATTR_LAYOUT)
             },
         }
+
+    # --- xarray (optional: pip install 'dynamics[notebook]') ---
+
+    def to_xarray(self, groups: list[str] | None = None) -> xr.DataTree:
+        """The run's series as an xarray DataTree: one node per group, each the Dataset of
+        :meth:`Series.to_xarray` (groups have their own ``step`` index).
+
+        Args:
+            groups: the groups to read; default every group but the parameter snapshots,
+                which can hold gigabytes (name ``"snapshots"`` to read them).
+
+        Raises:
+            KeyError: a named group the run did not record.
+            DynamicsError: xarray is not installed.
+        """
+        return frames.run_tree(self, groups)
 
 
 def open_run(path: str | os.PathLike) -> Run:
@@ -542,10 +604,25 @@ def _read_rows(group: h5py.Group) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``(step, {series: values})`` of the group's complete rows."""
     step = group[STEP][:]
     values = {name: _values(d) for name, d in group.items() if name != STEP}
-    # A killed writer can leave extents ahead of data: keep the rows whose step and values all
-    # arrived (a strictly increasing prefix of written steps).
-    n = min([len(step), *(len(v) for v in values.values())])
+    n = _complete_rows(step, [len(v) for v in values.values()])
+    return step[:n], {k: v[:n] for k, v in values.items()}
+
+
+def _step_span(group: h5py.Group) -> tuple[int, int | None, int | None]:
+    """``(rows, first step, last step)`` of the group's complete rows, read from its step
+    index and its datasets' extents alone (first and last are None without a row)."""
+    step = group[STEP][:]
+    n = _complete_rows(step, [d.shape[0] for name, d in group.items() if name != STEP])
+    return (n, int(step[0]), int(step[n - 1])) if n else (0, None, None)
+
+
+def _complete_rows(step: np.ndarray, lengths: list[int]) -> int:
+    """How many leading rows are complete: their step and every value arrived.
+
+    A killed writer can leave extents ahead of data: the complete rows are a strictly
+    increasing prefix of written steps, no longer than any series.
+    """
+    n = min([len(step), *lengths])
     written = step[:n] != UNWRITTEN_STEP
     increasing = np.concatenate([[True], np.diff(step[:n]) > 0])
-    n = int(np.argmin(written & increasing)) if not (written & increasing).all() else n
-    return step[:n], {k: v[:n] for k, v in values.items()}
+    return int(np.argmin(written & increasing)) if not (written & increasing).all() else n
