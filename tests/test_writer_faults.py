@@ -63,6 +63,59 @@ def test_a_path_another_live_run_writes_is_refused_at_fit_start_in_one_line(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
 
 
+RACING_FIT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import pytorch_lightning as pl
+    from pytorch_lightning.demos.boring_classes import BoringModel
+    sys.path.insert(0, sys.argv[3])
+    from conftest import make_quiet_trainer
+    from dynamics.callbacks import DynamicsRecorder
+
+    me, other = Path(sys.argv[2]), Path(sys.argv[4])
+
+    class WaitForTheOther(pl.Callback):
+        # Runs after the recorder claimed the path: the other run tries while this one holds it.
+        def on_fit_start(self, trainer, pl_module):
+            deadline = time.monotonic() + 120
+            while not other.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    outcome = "trained"
+    try:
+        recorder = DynamicsRecorder(sys.argv[1], overwrite=True)
+        trainer = make_quiet_trainer(max_steps=5, callbacks=[recorder, WaitForTheOther()])
+        trainer.fit(BoringModel())
+    except Exception as error:
+        outcome = f"refused: {error}"
+    finally:
+        me.write_text(outcome)
+    """
+)
+
+
+def test_two_runs_started_at_once_on_one_path_one_trains_and_one_is_refused(tmp_path):
+    path, tests = tmp_path / "run.h5", Path(__file__).parent
+    outcomes = [tmp_path / "first", tmp_path / "second"]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACING_FIT, str(path), str(mine), str(tests), str(theirs)]
+        )
+        for mine, theirs in (outcomes, outcomes[::-1])
+    ]
+    codes = [run.wait(timeout=300) for run in runs]
+    assert codes == [0, 0]
+    said = sorted(outcome.read_text() for outcome in outcomes)
+    winner = runs[[o.read_text() for o in outcomes].index("trained")]
+    assert said[0].startswith(f"refused: {path} is being written by another run (pid {winner.pid}")
+    assert said[1] == "trained"
+    run = open_run(path)
+    assert run.status().state == "finished"
+    np.testing.assert_array_equal(run.series("loss").step, np.arange(5))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "run.h5", "second"]
+
+
 def test_two_writers_in_one_process_are_refused_too(tmp_path):
     path = tmp_path / "run.h5"
     first = RunWriter.create(path, {"loss": {"train": SeriesSpec()}}, {}, {})
