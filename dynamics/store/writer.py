@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -325,8 +326,16 @@ class RunWriter:
 
     def _close_at_exit(self) -> None:
         # The process is exiting with the file open: its fit ended without closing it.
-        if os.getpid() == self._pid:
-            self.close(names.CRASHED, _exception_in_flight() or "the process exited during the fit")
+        if os.getpid() != self._pid:
+            return
+        exception = _exception_in_flight() or "the process exited during the fit"
+        # A DDP launcher terminates the other workers as soon as one fails: SIGTERM waits
+        # until the file is closed.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            self.close(names.CRASHED, exception)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _write(self, group: str) -> None:
         rows = self._pending.pop(group, [])
