@@ -210,6 +210,28 @@ def test_a_full_disk_stops_the_recording_not_the_training_and_keeps_only_true_ro
     assert run.status().state in ("crashed", "killed")  # never "finished" or "running"
 
 
+def test_a_file_the_disk_cannot_take_is_refused_in_one_line_and_leaves_nothing(tmp_path):
+    path = tmp_path / "run.h5"
+    create = textwrap.dedent(
+        """
+        import resource, signal, sys
+        from dynamics.store import RunFileError, RunWriter, SeriesSpec
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+        try:
+            RunWriter.create(sys.argv[1], {"loss": {"train": SeriesSpec()}}, {}, {})
+        except RunFileError as error:
+            print(error)
+        """
+    )
+    made = subprocess.run(
+        [sys.executable, "-c", create, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert made.stdout == f"cannot create {path}: File too large\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 SLOW_VALIDATION_FIT = textwrap.dedent(
     """
     import sys, time
@@ -297,14 +319,14 @@ def test_a_write_failure_the_disk_recovers_from_is_recorded_in_the_file(tmp_path
         flush(file)
 
     monkeypatch.setattr(h5py.File, "flush", flush_failing_once)
-    with pytest.warns(RuntimeWarning, match="recording stopped at step 2: .*No space left"):
+    with pytest.warns(RuntimeWarning, match="recording stopped at step 3: .*No space left"):
         writer.flush()
     writer.append("loss", 4, {"train": 4.0})  # ignored from now on, without a word
     writer.close()
     run = open_run(path)
     np.testing.assert_array_equal(run.series("loss").step, [0, 1, 2])
     assert [(e.step, e.probe, e.kind, e.message) for e in run.events()] == [
-        (2, "writer", "error", "No space left on device")
+        (3, "writer", "error", "No space left on device")
     ]
     status = run.status()
     assert (status.state, status.exception) == (

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import time
 from multiprocessing.util import Finalize
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                owner = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+                owner = _owner(fd)
                 os.close(fd)
                 raise RunFileError(
                     f"{run_file} is being written by another run ({owner}); "
@@ -71,6 +72,16 @@ class RunLock:
     def release(self) -> None:
         """Give the path up (a second call does nothing)."""
         self._release()
+
+
+def _owner(fd: int) -> str:
+    # The owner names itself just after it locks: a moment's wait reads a name, not a blank.
+    for _ in range(20):
+        owner = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        if owner:
+            return owner
+        time.sleep(0.01)
+    return "another process"
 
 
 def _unlock(path: Path, fd: int, pid: int) -> None:

@@ -17,6 +17,7 @@ What a file on disk says is true whatever stops the writer:
 - A file that cannot be written (a full disk, a lost mount) stops the recording, not the
   training: one warning, an event in the file if it still takes one, and HDF5 detached from the
   file so it never retries the failed writes (a retried flush of a full disk ends in a crash).
+  A file that cannot even be created is refused in one line, leaving nothing behind.
 - A process that exits with the file open (a DDP worker whose fit raised: Lightning calls the
   callbacks' ``on_exception`` in the launching process, not in the worker) closes it as crashed.
 """
@@ -155,25 +156,23 @@ class RunWriter:
 
         Raises:
             RunFileError: if ``path`` exists and ``overwrite`` is false, its folder is missing,
-                or another live writer holds it.
+                another live writer holds it, or the file cannot be written (a full disk).
         """
         path = Path(path)
         cls.check_path(path, overwrite)
         lock = lock or RunLock.acquire(path)
         staging = path.with_name(path.name + ".creating")
         try:
-            file = h5py.File(staging, "w", libver=LIBVER)
-        except BaseException:
-            lock.release()
-            raise
-        try:
-            _lay_out(file, series, vectors, attrs)
-            file.flush()
+            # Laid out in memory and written in one piece: a disk that refuses it fails one
+            # plain write, where HDF5 would fail at the close of each object it made.
+            staging.write_bytes(_image(series, vectors, attrs))
+            file = h5py.File(staging, "r+", libver=LIBVER)
             os.replace(staging, path)  # the open file follows its new name
-        except BaseException:
-            file.close()
+        except BaseException as error:
             staging.unlink(missing_ok=True)
             lock.release()
+            if isinstance(error, OSError):
+                raise RunFileError(f"cannot create {path}: {_reason(error)}") from error
             raise
         return cls(file, path, lock, **kwargs)
 
@@ -386,15 +385,19 @@ class RunWriter:
     def _stop(self, error: BaseException) -> None:
         self._stopped = True
         reason = _reason(error)
+        # The first step whose row is lost (rows are written in step order).
+        lost = [s for _, _, steps in self._unindexed for s in steps]
+        lost += [s for rows in self._pending.values() for s, _ in rows]
+        step = min(lost, default=max(self._written_step, 0))
         warnings.warn(
-            f"recording stopped at step {self._written_step}: cannot write {self._path} "
-            f"({reason}). Training goes on; the file keeps the rows flushed before.",
+            f"recording stopped at step {step}: cannot write {self._path} ({reason}). "
+            "Training goes on; the file keeps the rows flushed before.",
             RuntimeWarning,
             stacklevel=2,
         )
         self._pending, self._unindexed = {}, []  # never index rows whose values may be lost
         try:  # the disk may take a last event and the status after all
-            self._write_event(self._written_step, names.EVENT_WRITER, names.EVENT_ERROR, reason)
+            self._write_event(step, names.EVENT_WRITER, names.EVENT_ERROR, reason)
             self._file.flush()
             self._index()
             self._set_text(names.STATUS_STATE, names.CRASHED)
@@ -427,7 +430,11 @@ def _detach(file: h5py.File) -> None:
 def _reason(error: BaseException) -> str:
     # HDF5's messages carry the system's reason inside a long report; that reason is the news.
     found = re.search(r"error message = '([^']*)'", str(error))
-    return found.group(1) if found else f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    if found:
+        return found.group(1)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {str(error).splitlines()[0]}"
 
 
 def _exception_in_flight() -> str:
@@ -442,6 +449,18 @@ def _exception_in_flight() -> str:
     if error is None or isinstance(error, SystemExit):
         return ""
     return f"{type(error).__name__}: {error}"
+
+
+def _image(
+    series: Mapping[str, Mapping[str, Any]],
+    vectors: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+) -> bytes:
+    """A new run file's bytes: every object laid out, no row written."""
+    with h5py.File("run.h5", "w", driver="core", backing_store=False, libver=LIBVER) as file:
+        _lay_out(file, series, vectors, attrs)
+        file.flush()
+        return file.id.get_file_image()
 
 
 def _lay_out(
