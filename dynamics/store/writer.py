@@ -73,11 +73,14 @@ class RunWriter:
         block_rows: buffered rows of a group that trigger writing that group.
         block_bytes: buffered bytes of a group that trigger writing it, so large rows such as
             parameter snapshots never pile up in memory.
-        flush_interval_s: longest time rows wait before everything is written and flushed.
+        flush_interval_s: the time after which the next :meth:`append` flushes everything
+            (the recorder also asks at every batch boundary and phase change, see
+            :meth:`interval_elapsed`).
 
-    Writing a group's block and flushing the file are separate: blocks are written when they
-    fill, the file is flushed (made durable for readers, every group written) once per interval.
-    Flushing after every block would cost a metadata write of every dataset each time.
+    Writing a group's block and flushing the file are separate: blocks of values are written
+    when they fill, the file is flushed (made durable for readers, every group written, then
+    the steps of the rows written) once per interval. Flushing after every block would cost a
+    metadata write of every dataset each time.
     """
 
     def __init__(
