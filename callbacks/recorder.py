@@ -33,7 +33,7 @@ from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
 from dynamics.callbacks.training_loss import TrainingLoss
 from dynamics.params import BufferLayout, ParameterLayout, parameter_vector, vector_hash
 from dynamics.rebuild import module_record
-from dynamics.store import RunFileError, RunWriter, SeriesSpec, names
+from dynamics.store import RunFileError, RunLock, RunWriter, SeriesSpec, names
 
 #: What the recorder does when a probe raises: disable it and go on, or end the fit.
 OnProbeError = Literal["disable", "raise"]
@@ -42,9 +42,11 @@ OnProbeError = Literal["disable", "raise"]
 class RecorderBase:
     """Records what its probes measure into one HDF5 run file, without changing the training.
 
-    The recorder owns the file (checked at fit start, before the sanity check; created at the
-    first training batch, on global rank zero only; refused if it exists unless ``overwrite``),
-    the per-probe schedules, block writes and bounded-interval flushes, the run status (running,
+    The recorder owns the file (checked and locked at fit start, before the sanity check:
+    refused if it exists unless ``overwrite``, and refused while another live run writes it;
+    created at the first training batch, on global rank zero only, replacing an old file only
+    once the new one exists), the per-probe schedules, block writes and flushes (see
+    ``flush_interval_s``), the run status (running,
     finished or crashed, the last flushed step, wall time), and the checkpoint state that lets
     ``Trainer.fit(ckpt_path=...)`` continue the same file: rows recorded after the checkpoint's
     step are dropped first, so a resumed run's series equal an uninterrupted run's. Probes run
@@ -82,7 +84,13 @@ class RecorderBase:
         log_to_loggers: also send series to the Trainer's loggers (TensorBoard, CSV, ...):
             scalars as ``dynamics/<group>/<series>``, vectors with named columns (per-layer
             norms, eigenvalues) as ``dynamics/<group>/<series>/<column>``.
-        flush_interval_s: longest time rows wait in memory; a killed process loses at most this.
+        flush_interval_s: how long rows may wait in memory. The file is flushed at the first
+            training batch boundary after this many seconds since the last flush, and always
+            before each validation loop, at each checkpoint save, at each training epoch's end
+            and when the fit ends. A killed process therefore loses at most the rows of the
+            last ``flush_interval_s`` plus one training step, never rows recorded before a
+            validation loop it was killed in. If the file cannot be written (a full disk), the
+            recording stops with one warning and training goes on.
         block_rows: rows buffered per series group before a write.
         on_probe_error: ``"disable"`` (record, warn, go on) or ``"raise"`` (record, then end
             the fit with the probe's exception).
@@ -119,6 +127,8 @@ class RecorderBase:
         self.block_rows = block_rows
         self.on_probe_error = on_probe_error
         self._writer: RunWriter | None = None
+        # The path's lock, held from fit start until the writer takes it over.
+        self._lock: RunLock | None = None
         self._started = False
         self._resume_from: dict[str, int] | None = None
         self._armed: tuple[int, list[Probe]] | None = None
@@ -137,13 +147,15 @@ class RecorderBase:
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Before the sanity check, so that a run that cannot be recorded costs nothing.
-        if self._resume_from is None:
+        fresh = self._resume_from is None
+        if fresh:
             self._reset()
-            if trainer.ckpt_path is None:  # else the checkpoint may continue the file
-                problem = self._path_problem() if trainer.is_global_zero else None
-                problem = trainer.strategy.broadcast(problem)  # every rank stops, none hangs
-                if problem is not None:
-                    raise RunFileError(problem)
+        # A resumed fit continues the file; a fresh one without a checkpoint must not clobber one.
+        new_file = fresh and trainer.ckpt_path is None
+        problem = self._claim_path(new_file) if trainer.is_global_zero else None
+        problem = trainer.strategy.broadcast(problem)  # every rank stops, none hangs
+        if problem is not None:
+            raise RunFileError(problem)
         for probe in self._active():
             self._call(trainer, probe, trainer.global_step, probe.validate, trainer, pl_module)
 
@@ -154,6 +166,7 @@ class RecorderBase:
             self._start(trainer, pl_module, batch)
         step = trainer.global_step
         if self._armed is not None or step == self._last_step:
+            self._flush_if_due()
             return  # a later micro-batch of a step already armed or recorded
         due = [p for p in self._active() if self._call(trainer, p, step, p.is_due, step)]
         for probe in due:
@@ -191,6 +204,17 @@ class RecorderBase:
             self._collect(
                 trainer, probe, step, probe.on_step_end, trainer, pl_module, batch, outputs, step
             )
+        self._flush_if_due()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A validation loop can last far longer than the flush interval, and no row arrives
+        # during it to trigger a flush: the rows before it are made durable now.
+        if self._writer is not None:
+            self._writer.flush()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._writer is not None:
+            self._writer.flush()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or not self._started:
@@ -266,7 +290,7 @@ class RecorderBase:
             through = self._resume_from | {
                 names.EVENTS: max([self._last_step, *self._resume_from.values()])
             }
-            self._writer = RunWriter.resume(self.path, through, **writer_options)
+            self._writer = RunWriter.resume(self.path, through, self._lock, **writer_options)
             self._resume_from = None
         else:
             self._writer = RunWriter.create(
@@ -275,8 +299,10 @@ class RecorderBase:
                 self._vectors,
                 self._attrs(trainer, pl_module, settings),
                 self.overwrite,
+                self._lock,
                 **writer_options,
             )
+        self._lock = None  # the writer's now, released when it closes
         for event in self._unwritten_events:
             self._writer.append_event(*event)
         self._unwritten_events = []
@@ -447,13 +473,23 @@ class RecorderBase:
             p for p in (self.probes if probes is None else probes) if p.name not in self._disabled
         ]
 
-    def _path_problem(self) -> str | None:
+    def _claim_path(self, new_file: bool) -> str | None:
+        """Lock the path for this fit (checking first that a new file may go there); what
+        stands in the way, in one line."""
+        if self._lock is not None or self._writer is not None:
+            return None  # claimed already: fit() called again on the same recorder
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)  # as ModelCheckpoint does
-            RunWriter.check_path(self.path, self.overwrite)
+            if new_file:
+                RunWriter.check_path(self.path, self.overwrite)
+            self._lock = RunLock.acquire(self.path)
         except (OSError, RunFileError) as error:
             return str(error)
         return None
+
+    def _flush_if_due(self) -> None:
+        if self._writer is not None and self._writer.interval_elapsed():
+            self._writer.flush()
 
     def _reset(self) -> None:
         # A fresh fit (not resumed from a checkpoint) records from scratch.
@@ -477,6 +513,9 @@ class RecorderBase:
         if self._writer is not None:
             self._writer.close(state, exception)
             self._writer = None
+        if self._lock is not None:  # the fit ended before its file was created
+            self._lock.release()
+            self._lock = None
 
 
 class DynamicsRecorder(RecorderBase, Callback):

@@ -1,6 +1,7 @@
 """The run-file store: one HDF5 file per run (schema, writer, reader)."""
 
 from dynamics.store import names
+from dynamics.store.lock import RunLock
 from dynamics.store.reader import Event, Metric, Run, RunStatus, Series, StoredState, open_run
 from dynamics.store.schema import SCHEMA, SCHEMA_VERSION, RunFileError, SeriesSpec, View
 from dynamics.store.writer import RunWriter
@@ -12,6 +13,7 @@ __all__ = [
     "Metric",
     "Run",
     "RunFileError",
+    "RunLock",
     "RunStatus",
     "RunWriter",
     "Series",

@@ -35,6 +35,7 @@ EVENT_MESSAGE = "message"
 EVENT_DISABLED = "disabled"  # the probe stepped aside (ProbeUnavailable)
 EVENT_ERROR = "error"  # the probe raised; it is disabled for the rest of the run
 EVENT_WARNING = "warning"  # a note; the probe goes on
+EVENT_WRITER = "writer"  # the probe name of events the writer records about the file itself
 
 # Run status: fixed-size datasets updated in place (nothing can be created under SWMR).
 STATUS = "status"

@@ -554,10 +554,27 @@ def _open(path: Path) -> h5py.File:
         # A plain open checks the file against its recorded end, so truncation shows here.
         return h5py.File(path, "r")
     except OSError as error:
+        if "truncated file" in str(error):
+            return _open_cut_short(path, error)
         if "consistency flags" not in str(error):
             raise
     # A run still being written, or whose writer was killed: only SWMR reads open those.
     return h5py.File(path, "r", swmr=True)
+
+
+def _open_cut_short(path: Path, truncated: OSError) -> h5py.File:
+    """A file shorter than it records: readable if its writer never closed it, else damaged.
+
+    A writer stopped by a full disk can leave the file's recorded end past what reached the
+    disk. Its rows are counted by their steps, written only once their values were on disk, so
+    what it holds is true. A file that was closed and then lost its end is damaged.
+    """
+    file = h5py.File(path, "r", swmr=True)
+    status = file.get(names.STATUS)
+    if status is None or _decoded_text(status[names.STATUS_STATE][()]) != names.RUNNING:
+        file.close()
+        raise truncated
+    return file
 
 
 def _writer_alive(host: str, pid: int) -> bool:

@@ -5,15 +5,35 @@ objects afterwards, and a live reader would not see them), buffers rows in memor
 them in blocks, flushing at a bounded interval so a killed process loses at most that interval.
 Each flush also updates the run status in place (last flushed step, wall time), and closing
 records how the run ended.
+
+What a file on disk says is true whatever stops the writer:
+
+- One live writer per path (:class:`~dynamics.store.lock.RunLock`), and a new file is laid out
+  under a temporary name and renamed over the old one only once it exists, so an overwrite never
+  destroys a file before its replacement is made (a reader holding the old file keeps reading it).
+- A row counts once its step is written, and steps are written only after their values are on
+  disk (HDF5 writes cached chunks in its own order, so writing values first is not enough): a
+  flush cut short, by a kill or a full disk, leaves rows without steps, which readers skip.
+- A file that cannot be written (a full disk, a lost mount) stops the recording, not the
+  training: one warning, an event in the file if it still takes one, and HDF5 detached from the
+  file so it never retries the failed writes (a retried flush of a full disk ends in a crash).
+  A file that cannot even be created is refused in one line, leaving nothing behind.
+- A process that exits with the file open (a DDP worker whose fit raised: Lightning calls the
+  callbacks' ``on_exception`` in the launching process, not in the worker) closes it as crashed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +41,7 @@ import h5py
 import numpy as np
 
 from dynamics.store import names
+from dynamics.store.lock import LOCK_EXIT_PRIORITY, RunLock
 from dynamics.store.schema import (
     BFLOAT16,
     LIBVER,
@@ -47,45 +68,68 @@ class RunWriter:
 
     Args:
         file: an open ``h5py.File`` already laid out (internal; use the constructors).
+        path: the run file's path (the file may have been laid out under another name).
+        lock: this writer's lock on ``path``, released when it closes.
         block_rows: buffered rows of a group that trigger writing that group.
         block_bytes: buffered bytes of a group that trigger writing it, so large rows such as
             parameter snapshots never pile up in memory.
-        flush_interval_s: longest time rows wait before everything is written and flushed.
+        flush_interval_s: the time after which the next :meth:`append` flushes everything
+            (the recorder also asks at every batch boundary and phase change, see
+            :meth:`interval_elapsed`).
 
-    Writing a group's block and flushing the file are separate: blocks are written when they
-    fill, the file is flushed (made durable for readers, every group written) once per interval.
-    Flushing after every block would cost a metadata write of every dataset each time.
+    Writing a group's block and flushing the file are separate: blocks of values are written
+    when they fill, the file is flushed (made durable for readers, every group written, then
+    the steps of the rows written) once per interval. Flushing after every block would cost a
+    metadata write of every dataset each time.
     """
 
     def __init__(
         self,
         file: h5py.File,
+        path: Path,
+        lock: RunLock,
         block_rows: int = 256,
         block_bytes: int = 16 << 20,
         flush_interval_s: float = 5.0,
     ):
         self._file = file
         self._file.swmr_mode = True
+        self._path = path
+        self._lock = lock
         self.block_rows = block_rows
         self.block_bytes = block_bytes
         self.flush_interval_s = flush_interval_s
         self._pending: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
         self._pending_bytes: dict[str, int] = {}
+        # Rows whose values are written but whose steps wait for those values to be on disk:
+        # (step dataset, first row, steps).
+        self._unindexed: list[tuple[h5py.Dataset, int, list[int]]] = []
         # Dataset handles once: looking them up through h5py per block costs more than writing.
         self._groups = {
             name: (group[STEP], {n: d for n, d in group.items() if n != STEP})
             for name, group in file.get(SERIES, {}).items()
         }
+        # Rows written per group, steps included or not: the next row's index.
+        self._rows = {name: steps.shape[0] for name, (steps, _) in self._groups.items()}
         events = file[names.EVENTS]
         self._events = (events[STEP], {n: d for n, d in events.items() if n != STEP})
+        self._event_rows = events[STEP].shape[0]
         self._status = dict(file[names.STATUS].items())
         self._wall_before = float(self._status[names.STATUS_WALL_TIME][()])
         self._written_step = int(self._status[names.STATUS_LAST_STEP][()])
         self._opened = self._last_flush = time.monotonic()
+        self._stopped = False  # the file could not be written; every later call does nothing
+        self._at_exit = Finalize(self, self._close_at_exit, exitpriority=LOCK_EXIT_PRIORITY + 1)
+        self._pid = os.getpid()
 
     @property
     def path(self) -> Path:
-        return Path(self._file.filename)
+        return self._path
+
+    @property
+    def stopped(self) -> bool:
+        """Whether recording stopped because the file could not be written."""
+        return self._stopped
 
     @classmethod
     def create(
@@ -95,9 +139,13 @@ class RunWriter:
         vectors: Mapping[str, Any],
         attrs: Mapping[str, Any],
         overwrite: bool = False,
+        lock: RunLock | None = None,
         **kwargs: Any,
     ) -> RunWriter:
         """Create a run file holding the declared series groups and vectors.
+
+        The file is laid out under a temporary name beside ``path`` and renamed to ``path`` once
+        complete, so an existing file is replaced only by a complete new one.
 
         Args:
             path: the run file to create.
@@ -105,27 +153,31 @@ class RunWriter:
             vectors: ``{name: SeriesSpec}`` of vectors written once.
             attrs: root attributes (config, versions, layout, ...); JSON-encoded when structured.
             overwrite: replace an existing file; without it an existing file is refused.
+            lock: the path's lock when the caller took it earlier (the recorder does, at fit
+                start); else it is taken here. The writer releases it when it closes.
             **kwargs: ``block_rows``, ``block_bytes`` and ``flush_interval_s``.
 
         Raises:
-            RunFileError: if ``path`` exists and ``overwrite`` is false, or its folder is missing.
+            RunFileError: if ``path`` exists and ``overwrite`` is false, its folder is missing,
+                another live writer holds it, or the file cannot be written (a full disk).
         """
         path = Path(path)
         cls.check_path(path, overwrite)
-        file = h5py.File(path, "w", libver=LIBVER)
-        file.attrs["schema"] = SCHEMA
-        file.attrs["schema_version"] = SCHEMA_VERSION
-        for key, value in attrs.items():
-            file.attrs[key] = encode_attr(value)
-        for group, specs in series.items():
-            _create_group(file.require_group(SERIES).create_group(group), specs)
-        for name, spec in vectors.items():
-            file.require_group(VECTORS).create_dataset(
-                name, shape=spec.shape, dtype=spec.dtype, fillvalue=_unfilled(spec.dtype)
-            )
-        _create_events(file)
-        _create_status(file, started_at=time.time(), wall_time_s=0.0, last_step=UNWRITTEN_STEP)
-        return cls(file, **kwargs)
+        lock = lock or RunLock.acquire(path)
+        staging = path.with_name(path.name + ".creating")
+        try:
+            # Laid out in memory and written in one piece: a disk that refuses it fails one
+            # plain write, where HDF5 would fail at the close of each object it made.
+            staging.write_bytes(_image(series, vectors, attrs))
+            file = h5py.File(staging, "r+", libver=LIBVER)
+            os.replace(staging, path)  # the open file follows its new name
+        except BaseException as error:
+            staging.unlink(missing_ok=True)
+            lock.release()
+            if isinstance(error, OSError):
+                raise RunFileError(f"cannot create {path}: {_reason(error)}") from error
+            raise
+        return cls(file, path, lock, **kwargs)
 
     @staticmethod
     def check_path(path: str | os.PathLike, overwrite: bool = False) -> None:
@@ -142,7 +194,11 @@ class RunWriter:
 
     @classmethod
     def resume(
-        cls, path: str | os.PathLike, through_steps: Mapping[str, int], **kwargs: Any
+        cls,
+        path: str | os.PathLike,
+        through_steps: Mapping[str, int],
+        lock: RunLock | None = None,
+        **kwargs: Any,
     ) -> RunWriter:
         """Continue a run file from a checkpoint.
 
@@ -151,6 +207,7 @@ class RunWriter:
             through_steps: ``{group: last step written before the checkpoint}``; later rows
                 (and every row of a group not named) are dropped, so the resumed series equal
                 those of an uninterrupted run.
+            lock: the path's lock when the caller took it earlier; else it is taken here.
             **kwargs: ``block_rows``, ``block_bytes`` and ``flush_interval_s``.
 
         Events are kept through ``through_steps[names.EVENTS]`` likewise. The file is rewritten
@@ -160,6 +217,16 @@ class RunWriter:
         path = Path(path)
         if not path.exists():
             raise RunFileError(f"cannot resume: run file {path} is missing")
+        lock = lock or RunLock.acquire(path)
+        try:
+            cls._copy_through(path, through_steps)
+            return cls(h5py.File(path, "r+", libver=LIBVER), path, lock, **kwargs)
+        except BaseException:
+            lock.release()
+            raise
+
+    @staticmethod
+    def _copy_through(path: Path, through_steps: Mapping[str, int]) -> None:
         staging = path.with_name(path.name + ".resuming")
         with h5py.File(path, "r", swmr=True) as old, h5py.File(staging, "w", libver=LIBVER) as new:
             for key, value in old.attrs.items():
@@ -188,25 +255,109 @@ class RunWriter:
                 last_step=last_step,
             )
         os.replace(staging, path)
-        return cls(h5py.File(path, "r+", libver=LIBVER), **kwargs)
 
     def append(self, group: str, step: int, values: Mapping[str, Any]) -> None:
         """Buffer one row of ``group`` (every series of the group, as tensors or arrays)."""
+        if self._stopped:
+            return
         rows = self._pending.setdefault(group, [])
         rows.append((step, values))
         size = self._pending_bytes.get(group, 0) + sum(
             getattr(v, "nbytes", 8) for v in values.values()
         )
         self._pending_bytes[group] = size
-        if self._interval_elapsed():
+        if self.interval_elapsed():
             self.flush()
         elif len(rows) >= self.block_rows or size >= self.block_bytes:
-            self._write(group)
+            with self._writing():
+                self._write(group)
 
     def append_event(self, step: int, probe: str, kind: str, message: str) -> None:
         """Write one event row at once (events are rare; the next flush makes it durable)."""
+        if not self._stopped:
+            with self._writing():
+                self._write_event(step, probe, kind, message)
+
+    def write_vector(self, name: str, value: Any) -> None:
+        """Fill a declared vector (θ0, θ_T, ...) and flush it to disk at once."""
+        if self._stopped:
+            return
+        value = _to_numpy(value)
+        with self._writing():
+            self._file[VECTORS][name][...] = value
+        self.flush()
+
+    def flush(self) -> None:
+        """Write every buffered row and make it durable for readers, with the status."""
+        if self._stopped:
+            return
+        with self._writing():
+            for group in list(self._pending):
+                self._write(group)
+            if self._unindexed:
+                self._file.flush()  # the values, before any step names them
+                self._index()
+            now = time.monotonic()
+            self._status[names.STATUS_LAST_STEP][()] = self._written_step
+            self._status[names.STATUS_WALL_TIME][()] = self._wall_before + now - self._opened
+            self._status[names.STATUS_UPDATED][()] = time.time()
+            self._file.flush()
+            self._last_flush = now
+
+    def interval_elapsed(self) -> bool:
+        """Whether ``flush_interval_s`` has passed since the last flush."""
+        return time.monotonic() - self._last_flush >= self.flush_interval_s
+
+    def close(self, state: str = names.FINISHED, exception: str = "") -> None:
+        """Write everything, record how the run ended, close the file and release the path.
+
+        Args:
+            state: ``names.FINISHED`` or ``names.CRASHED``.
+            exception: for a crash, ``"Type: message"`` of the exception that ended it.
+        """
+        self._at_exit.cancel()
+        if not self._stopped and self._file.id.valid:
+            self.flush()
+        if not self._stopped and self._file.id.valid:  # the flush may have stopped it
+            with self._writing():
+                self._set_text(names.STATUS_STATE, state)
+                self._set_text(names.STATUS_EXCEPTION, exception)
+                self._file.flush()
+                self._file.close()
+        self._lock.release()
+
+    def _close_at_exit(self) -> None:
+        # The process is exiting with the file open: its fit ended without closing it.
+        if os.getpid() != self._pid:
+            return
+        exception = _exception_in_flight() or "the process exited during the fit"
+        # A DDP launcher terminates the other workers as soon as one fails: SIGTERM waits
+        # until the file is closed.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            self.close(names.CRASHED, exception)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def _write(self, group: str) -> None:
+        rows = self._pending.pop(group, [])
+        self._pending_bytes.pop(group, None)
+        if rows:
+            steps, datasets = self._groups[group]
+            start = self._rows[group]
+            blocks = {
+                name: _block(dataset, [v[name] for _, v in rows])
+                for name, dataset in datasets.items()
+            }
+            for name, dataset in datasets.items():
+                dataset.resize(start + len(rows), axis=0)
+                dataset[start:] = blocks[name]
+            self._rows[group] = start + len(rows)
+            self._unindexed.append((steps, start, [step for step, _ in rows]))
+
+    def _write_event(self, step: int, probe: str, kind: str, message: str) -> None:
         steps, fields = self._events
-        row = steps.shape[0]
+        row = self._event_rows
         for name, text in (
             (names.EVENT_PROBE, probe),
             (names.EVENT_KIND, kind),
@@ -214,50 +365,125 @@ class RunWriter:
         ):
             fields[name].resize((row + 1,))
             fields[name][row] = _text(text, fields[name].dtype)
-        steps.resize((row + 1,))  # the step last, as for series rows
-        steps[row] = step
+        self._event_rows = row + 1
+        self._unindexed.append((steps, row, [step]))
 
-    def write_vector(self, name: str, value: Any) -> None:
-        """Fill a declared vector (θ0, θ_T, ...) and flush it to disk at once."""
-        self._file[VECTORS][name][...] = _to_numpy(value)
-        self.flush()
+    def _index(self) -> None:
+        """Write the steps of rows whose values are on disk: the rows now count."""
+        for steps, start, values in self._unindexed:
+            steps.resize((start + len(values),))
+            steps[start:] = values
+            if steps is not self._events[0]:
+                self._written_step = max(self._written_step, values[-1])
+        self._unindexed = []
 
-    def flush(self) -> None:
-        """Write every buffered row and make it durable for readers, with the status."""
-        for group in list(self._pending):
-            self._write(group)
-        now = time.monotonic()
-        self._status[names.STATUS_LAST_STEP][()] = self._written_step
-        self._status[names.STATUS_WALL_TIME][()] = self._wall_before + now - self._opened
-        self._status[names.STATUS_UPDATED][()] = time.time()
-        self._file.flush()
-        self._last_flush = now
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Stop recording, not the training, when the file cannot be written."""
+        try:
+            yield
+        except (OSError, RuntimeError) as error:  # what h5py raises for a failed write
+            self._stop(error)
 
-    def _write(self, group: str) -> None:
-        rows = self._pending.pop(group, [])
-        self._pending_bytes.pop(group, None)
-        if rows:
-            _append_rows(*self._groups[group], rows)
-            self._written_step = max(self._written_step, rows[-1][0])
-
-    def close(self, state: str = names.FINISHED, exception: str = "") -> None:
-        """Write everything, record how the run ended and close the file.
-
-        Args:
-            state: ``names.FINISHED`` or ``names.CRASHED``.
-            exception: for a crash, ``"Type: message"`` of the exception that ended it.
-        """
-        if self._file.id.valid:
-            self._set_text(names.STATUS_STATE, state)
-            self._set_text(names.STATUS_EXCEPTION, exception)
-            self.flush()
+    def _stop(self, error: BaseException) -> None:
+        self._stopped = True
+        reason = _reason(error)
+        # The first step whose row is lost (rows are written in step order).
+        lost = [s for _, _, steps in self._unindexed for s in steps]
+        lost += [s for rows in self._pending.values() for s, _ in rows]
+        step = min(lost, default=max(self._written_step, 0))
+        warnings.warn(
+            f"recording stopped at step {step}: cannot write {self._path} ({reason}). "
+            "Training goes on; the file keeps the rows flushed before.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self._pending, self._unindexed = {}, []  # never index rows whose values may be lost
+        try:  # the disk may take a last event and the status after all
+            self._write_event(step, names.EVENT_WRITER, names.EVENT_ERROR, reason)
+            self._file.flush()
+            self._index()
+            self._set_text(names.STATUS_STATE, names.CRASHED)
+            self._set_text(names.STATUS_EXCEPTION, f"recording stopped: {reason}")
+            self._file.flush()
             self._file.close()
+        except (OSError, RuntimeError):
+            _detach(self._file)
 
     def _set_text(self, field: str, text: str) -> None:
         self._status[field][()] = _text(text, self._status[field].dtype)
 
-    def _interval_elapsed(self) -> bool:
-        return time.monotonic() - self._last_flush >= self.flush_interval_s
+
+def _detach(file: h5py.File) -> None:
+    """Close a file HDF5 can no longer write, leaving on disk what is there.
+
+    HDF5 retries the failed writes at every flush and at close, and a process whose library
+    holds unwritable dirty data crashes at exit. Pointing the file's descriptor at /dev/null
+    lets it close; the file on disk stays as a killed writer leaves it.
+    """
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        os.dup2(null, file.id.get_vfd_handle())
+    finally:
+        os.close(null)
+    with contextlib.suppress(OSError, RuntimeError):
+        file.close()
+
+
+def _reason(error: BaseException) -> str:
+    # HDF5's messages carry the system's reason inside a long report; that reason is the news.
+    found = re.search(r"error message = '([^']*)'", str(error))
+    if found:
+        return found.group(1)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+
+
+def _exception_in_flight() -> str:
+    """``"Type: message"`` of the exception ending the process, if one is.
+
+    A DDP worker that raised exits by ``sys.exit`` from the ``except`` clause that caught the
+    fit's exception, so the ``SystemExit`` in flight carries it as its context.
+    """
+    error = sys.exc_info()[1]
+    while isinstance(error, SystemExit) and error.__context__ is not None:
+        error = error.__context__
+    if error is None or isinstance(error, SystemExit):
+        return ""
+    return f"{type(error).__name__}: {error}"
+
+
+def _image(
+    series: Mapping[str, Mapping[str, Any]],
+    vectors: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+) -> bytes:
+    """A new run file's bytes: every object laid out, no row written."""
+    with h5py.File("run.h5", "w", driver="core", backing_store=False, libver=LIBVER) as file:
+        _lay_out(file, series, vectors, attrs)
+        file.flush()
+        return file.id.get_file_image()
+
+
+def _lay_out(
+    file: h5py.File,
+    series: Mapping[str, Mapping[str, Any]],
+    vectors: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+) -> None:
+    file.attrs["schema"] = SCHEMA
+    file.attrs["schema_version"] = SCHEMA_VERSION
+    for key, value in attrs.items():
+        file.attrs[key] = encode_attr(value)
+    for group, specs in series.items():
+        _create_group(file.require_group(SERIES).create_group(group), specs)
+    for name, spec in vectors.items():
+        file.require_group(VECTORS).create_dataset(
+            name, shape=spec.shape, dtype=spec.dtype, fillvalue=_unfilled(spec.dtype)
+        )
+    _create_events(file)
+    _create_status(file, started_at=time.time(), wall_time_s=0.0, last_step=UNWRITTEN_STEP)
 
 
 def _create_group(group: h5py.Group, specs: Mapping[str, Any]) -> None:
@@ -365,23 +591,12 @@ def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(values), _BFLOAT16_NAN, rounded).astype(np.uint16)
 
 
-def _append_rows(
-    steps: h5py.Dataset,
-    datasets: Mapping[str, h5py.Dataset],
-    rows: list[tuple[int, Mapping[str, Any]]],
-) -> None:
-    start = steps.shape[0]
-    stop = start + len(rows)
-    # Values before steps: a reader that sees a step sees its values (SWMR keeps write order
-    # per dataset, and a step row that never arrived reads as UNWRITTEN_STEP).
-    for name, dataset in datasets.items():
-        block = _stack([values[name] for _, values in rows])
-        if dataset.dtype == np.uint16 and dataset.attrs.get(names.ATTR_ENCODING) == BFLOAT16:
-            block = _bfloat16_bits(block)
-        dataset.resize(stop, axis=0)
-        dataset[start:stop] = block
-    steps.resize((stop,))
-    steps[start:stop] = [step for step, _ in rows]
+def _block(dataset: h5py.Dataset, values: list[Any]) -> np.ndarray:
+    """Rows stacked as ``dataset`` stores them."""
+    block = _stack(values)
+    if dataset.dtype == np.uint16 and dataset.attrs.get(names.ATTR_ENCODING) == BFLOAT16:
+        block = _bfloat16_bits(block)
+    return block
 
 
 def _rows_through(group: h5py.Group, through_step: int) -> int:

@@ -1,0 +1,92 @@
+"""One live writer per run file: an exclusive lock on ``<run file>.lock`` beside it.
+
+HDF5's own file lock cannot tell a live writer apart: it is taken after ``"w"`` has already
+truncated the file, and a SWMR writer gives it up so readers can open. The lock is an ``flock``
+on a small file that names its owner; the kernel drops it when the owner's process ends, however
+it ends, so a killed run never leaves a path locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+from multiprocessing.util import Finalize
+from pathlib import Path
+
+from dynamics.store.schema import RunFileError
+
+#: Finalizers run at a process's exit by decreasing priority: a writer closes its file (above)
+#: before its lock goes.
+LOCK_EXIT_PRIORITY = 0
+
+
+class RunLock:
+    """Exclusive ownership of a run file's path by this process, until :meth:`release`.
+
+    Use :meth:`acquire`. The lock file is removed when the lock is released, when this object is
+    collected, and when the process exits through Python (``multiprocessing`` children included).
+    """
+
+    def __init__(self, path: Path, fd: int):
+        self.path = path
+        self._release = Finalize(
+            self, _unlock, args=(path, fd, os.getpid()), exitpriority=LOCK_EXIT_PRIORITY
+        )
+
+    @classmethod
+    def acquire(cls, run_file: str | os.PathLike) -> RunLock:
+        """Lock ``run_file`` for writing, or refuse in one line if a live writer holds it.
+
+        Raises:
+            RunFileError: another live process holds the lock, or the lock file cannot be made.
+        """
+        run_file = Path(run_file)
+        path = run_file.with_name(run_file.name + ".lock")
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as error:
+                raise RunFileError(f"cannot lock {run_file}: {error.strerror}") from error
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _owner(fd)
+                os.close(fd)
+                raise RunFileError(
+                    f"{run_file} is being written by another run ({owner}); "
+                    "wait for it to end or choose another path"
+                ) from None
+            # The previous owner removes the lock file as it releases it: a lock taken on a file
+            # already removed guards nothing, so take the one now at the path instead.
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+                    return cls(path, fd)
+            os.close(fd)
+        raise RunFileError(f"cannot lock {run_file}: its lock file {path} keeps being replaced")
+
+    def release(self) -> None:
+        """Give the path up (a second call does nothing)."""
+        self._release()
+
+
+def _owner(fd: int) -> str:
+    # The owner names itself just after it locks: a moment's wait reads a name, not a blank.
+    for _ in range(20):
+        owner = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        if owner:
+            return owner
+        time.sleep(0.01)
+    return "another process"
+
+
+def _unlock(path: Path, fd: int, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a forked child holds a copy of the descriptor, not the lock's ownership
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # before the unlock, so no one locks a file about to vanish
+    os.close(fd)
