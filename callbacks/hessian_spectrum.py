@@ -72,7 +72,8 @@ class HessianSpectrum(Probe):
         density_runs: stochastic Lanczos quadrature runs per row (0: no density).
         density_steps: Lanczos steps per quadrature run.
         batch: the probe batch; default: a copy of the fit's first training batch.
-        warm_start: start each row's Lanczos from the previous row's eigenvectors.
+        warm_start: start each row's Lanczos from the previous row's eigenvectors (kept in
+            checkpoints, so a resumed fit's rows equal an uninterrupted one's).
         seed: seed of the random start vectors (the global RNG is never used).
         mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
             while its Hessian is measured.
