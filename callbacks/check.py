@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import random
 import sys
 import tempfile
@@ -44,8 +45,9 @@ def check_probe(probe: Probe, module: nn.Module, batch: Any, steps: int = 3) -> 
     - rows match the declared series: names, shapes, and the kind of dtype (float, integer);
     - ``.grad``, parameters, buffers, train/eval flags and the RNGs (torch, NumPy, Python) are
       the same after each hook that sees the module as before it;
-    - ``state_dict`` can be saved with ``torch.save`` and a fresh probe that loads it returns
-      the same state.
+    - ``state_dict`` holds only tensors and plain values (Lightning loads checkpoints with
+      ``torch.load(weights_only=True)``, which refuses anything else), and a fresh probe that
+      loads it, saved and loaded so, returns the same state.
 
     Args:
         probe: the probe to check (not modified).
@@ -87,9 +89,20 @@ def check_probe(probe: Probe, module: nn.Module, batch: Any, steps: int = 3) -> 
         run = open_run(path)
         series = {group: run.series(group) for group in run.groups}
     state = probe.state_dict()
-    torch.save(state, io.BytesIO())  # a checkpoint must be able to hold it
+    checkpoint = io.BytesIO()
+    torch.save(state, checkpoint)  # a checkpoint must be able to hold it
+    checkpoint.seek(0)
+    try:  # and Lightning's default load to take it back
+        loaded = torch.load(checkpoint, weights_only=True)
+    except pickle.UnpicklingError as error:
+        refused = str(error).split("WeightsUnpickler error: ")[-1].splitlines()[0]
+        raise AssertionError(
+            f"{type(original).__name__}.state_dict() holds more than tensors and plain values, "
+            f"which a checkpoint loaded with weights_only=True (Lightning's default) refuses: "
+            f"{refused}"
+        ) from None
     fresh = copy.deepcopy(original)
-    fresh.load_state_dict(state)
+    fresh.load_state_dict(loaded)
     assert _same(fresh.state_dict(), state), (
         f"{type(original).__name__}.load_state_dict(state) then state_dict() differs from state"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -249,24 +250,41 @@ class GradientPlane(Probe):
         self._kept = []
 
     def state_dict(self) -> dict[str, Any]:
+        # Tensors and plain values only: Lightning loads checkpoints with ``weights_only``.
         if self._g0 is None:
             return {}
+        plane = {}
+        if self.plane is not None:
+            plane = {
+                "plane_u": torch.from_numpy(np.array(self.plane.u)),
+                "plane_v": torch.from_numpy(np.array(self.plane.v)),
+                "plane_kind": self.plane.kind,
+                "plane_metadata": json.dumps(dict(self.plane.metadata), default=_plain),
+            }
         return {
             "g0": self._g0.cpu(),
             "theta0": self._theta0.cpu(),
-            "plane": None if self.plane is None else (self.plane.u, self.plane.v),
-            "kept": (list(self._kept), self._stride),
+            **plane,
+            "kept_steps": [step for step, _ in self._kept],
+            "kept_thetas": [theta for _, theta in self._kept],
+            "stride": self._stride,
             **self._loss.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self._g0, self._theta0 = state["g0"], state["theta0"]
-            self._kept, self._stride = state.get("kept", ([], 1))
+            self._kept = list(zip(state["kept_steps"], state["kept_thetas"], strict=True))
+            self._stride = state["stride"]
             self._loss.load_state_dict(state)
-            if state["plane"] is not None:
-                u, v = state["plane"]
-                self.plane = Plane(self._theta0.double().numpy(), u, v, kind="gradients")
+            if "plane_u" in state:
+                self.plane = Plane(
+                    self._theta0.double().numpy(),
+                    state["plane_u"].numpy(),
+                    state["plane_v"].numpy(),
+                    kind=state["plane_kind"],
+                    metadata=json.loads(state["plane_metadata"]),
+                )
 
     def _coordinates(self) -> dict[str, torch.Tensor]:
         displacement = flatten(self._params) - self._theta0
@@ -317,6 +335,11 @@ class GradientPlane(Probe):
             raise ValueError(f"GradientPlane partner {self.partner} stores no initial gradient g0")
         theta0 = self._theta0.double().cpu().numpy()
         return plane_from_gradients(theta0, g_partner, self._g0.double().cpu().numpy())
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy value in a plane's metadata as JSON takes it."""
+    return np.asarray(value).tolist()
 
 
 def _columns(path: Trajectory) -> np.ndarray:

@@ -72,7 +72,8 @@ class HessianSpectrum(Probe):
         density_runs: stochastic Lanczos quadrature runs per row (0: no density).
         density_steps: Lanczos steps per quadrature run.
         batch: the probe batch; default: a copy of the fit's first training batch.
-        warm_start: start each row's Lanczos from the previous row's eigenvectors.
+        warm_start: start each row's Lanczos from the previous row's eigenvectors (kept in
+            checkpoints, so a resumed fit's rows equal an uninterrupted one's).
         seed: seed of the random start vectors (the global RNG is never used).
         mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
             while its Hessian is measured.
@@ -129,7 +130,6 @@ class HessianSpectrum(Probe):
             raise ValueError("HessianSpectrum found no trainable parameter")
         dtypes = {p.dtype for p in pl_module.parameters() if p.requires_grad}
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
-        self._ritz = None
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
@@ -257,10 +257,14 @@ class HessianSpectrum(Probe):
         self._row = None
 
     def state_dict(self) -> dict[str, Any]:
-        return self._loss.state_dict()
+        # The warm-start vectors too: a resumed fit starts its next row's Lanczos where an
+        # uninterrupted one would, so its rows are the same.
+        ritz = {} if self._ritz is None else {"ritz": self._ritz.cpu()}
+        return {**self._loss.state_dict(), **ritz}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._loss.load_state_dict(state)
+        self._ritz = state.get("ritz")
 
 
 class _LossOf(nn.Module):

@@ -142,6 +142,9 @@ class Probe:
         """Remove hooks and free buffers; called however the fit ends."""
 
     def state_dict(self) -> dict[str, Any]:
+        """What a resumed fit needs to continue the same series: tensors and plain values only
+        (dicts, lists, numbers, strings), since Lightning loads checkpoints with
+        ``weights_only``."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytorch_lightning as pl
 from lightning_fabric.utilities.apply_func import move_data_to_device
 
+from dynamics.batch_tree import flatten_batch, unflatten_batch
 from dynamics.callbacks.probe import ProbeUnavailable, detached_copy, require_unsharded
 from dynamics.isolation import Mode, checked_mode
 from dynamics.loss_rule import LossSource, LossUnavailable, loss_source
@@ -35,6 +37,9 @@ class ProbeLoss:
         self.mode = checked_mode(mode)
         self.batch = None if batch is None else detached_copy(batch)
         self.source: LossSource | None = None
+        # A checkpoint's batch that could not be stored: the resumed fit cannot measure the same
+        # loss, so it measures nothing (the type, for the message).
+        self._unrestorable: str | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """Check the strategy and the loss rule, and keep the probe batch.
@@ -44,6 +49,12 @@ class ProbeLoss:
             ValueError: under a strategy that shards parameters.
         """
         require_unsharded(trainer, self.probe)
+        if self._unrestorable is not None:
+            raise ProbeUnavailable(
+                f"{self.probe}: the checkpoint could not keep its probe batch (a "
+                f"{self._unrestorable}), so a resumed fit cannot measure the same loss; give a "
+                "batch of dicts, lists and tuples of tensors"
+            )
         try:
             self.source = loss_source(pl_module)
         except LossUnavailable as error:
@@ -57,9 +68,31 @@ class ProbeLoss:
         return {"mode": self.mode, "loss": self.source}
 
     def state_dict(self) -> dict[str, Any]:
-        # The probe batch, so a resumed run keeps measuring the same loss.
-        return {} if self.batch is None else {"batch": move_data_to_device(self.batch, "cpu")}
+        """The probe batch, so a resumed run keeps measuring the same loss: its tree as JSON
+        text and its leaves, since a checkpoint loaded with ``weights_only`` (Lightning's
+        default) holds only tensors and plain values."""
+        if self.batch is None:
+            return {}
+        tree, leaves = flatten_batch(move_data_to_device(self.batch, "cpu"))
+        try:
+            unflatten_batch(tree, leaves)
+        except ValueError:  # a custom batch class: no plain form to store
+            return {"batch_unrestorable": next(_unsupported(tree))}
+        return {"batch_tree": json.dumps(tree), "batch_leaves": leaves}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "batch" in state:
-            self.batch = state["batch"]
+        if "batch_tree" in state:
+            self.batch = unflatten_batch(json.loads(state["batch_tree"]), state["batch_leaves"])
+        self._unrestorable = state.get("batch_unrestorable")
+
+
+def _unsupported(tree: Any) -> Any:
+    """The type paths of the objects in a batch tree that cannot be rebuilt."""
+    if isinstance(tree, dict):
+        if "unsupported" in tree:
+            yield tree["unsupported"]
+        for value in tree.values():
+            yield from _unsupported(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _unsupported(value)

@@ -287,9 +287,7 @@ class RecorderBase:
             "flush_interval_s": self.flush_interval_s,
         }
         if self._resume_from is not None:
-            through = self._resume_from | {
-                names.EVENTS: max([self._last_step, *self._resume_from.values()])
-            }
+            through = self._resumed_through()
             self._writer = RunWriter.resume(self.path, through, self._lock, **writer_options)
             self._resume_from = None
         else:
@@ -483,9 +481,19 @@ class RecorderBase:
             if new_file:
                 RunWriter.check_path(self.path, self.overwrite)
             self._lock = RunLock.acquire(self.path)
+            if self._resume_from is not None:  # refused now, before the fit costs anything
+                RunWriter.check_resumable(self.path, self._resumed_through())
         except (OSError, RunFileError) as error:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             return str(error)
         return None
+
+    def _resumed_through(self) -> dict[str, int]:
+        """The last step of each group (and of the events) the checkpoint counts as written."""
+        events = max([self._last_step, *self._resume_from.values()])
+        return self._resume_from | {names.EVENTS: events}
 
     def _flush_if_due(self) -> None:
         if self._writer is not None and self._writer.interval_elapsed():

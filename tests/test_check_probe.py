@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,8 @@ class Rogue(Probe):
         return {self.name: {"x": value}}
 
     def state_dict(self):
+        if self.fault == "numpy_state":
+            return {"seen": np.int64(self.seen)}
         return {"seen": self.seen}
 
     def load_state_dict(self, state):
@@ -124,6 +127,7 @@ class Rogue(Probe):
         ("shape", "rogue/x has shape (2,), declared ()"),
         ("dtype", "row rogue/x has dtype kind 'f', declared int32"),
         ("state", "load_state_dict(state) then state_dict() differs"),
+        ("numpy_state", "Rogue.state_dict() holds more than tensors and plain values"),
     ],
 )
 def test_contract_breaches_are_caught(small_cnn, fault, message):

@@ -42,6 +42,7 @@ import numpy as np
 
 from dynamics.store import names
 from dynamics.store.lock import LOCK_EXIT_PRIORITY, RunLock
+from dynamics.store.reader import open_run
 from dynamics.store.schema import (
     BFLOAT16,
     LIBVER,
@@ -213,12 +214,15 @@ class RunWriter:
         Events are kept through ``through_steps[names.EVENTS]`` likewise. The file is rewritten
         through a SWMR read, which also recovers a file whose writer was killed (HDF5 refuses to
         reopen those for writing); its status continues (start time, wall time so far).
+
+        Raises:
+            RunFileError: the file is refused by :meth:`check_resumable` (it is left untouched),
+                another live writer holds it, or it cannot be rewritten.
         """
         path = Path(path)
-        if not path.exists():
-            raise RunFileError(f"cannot resume: run file {path} is missing")
         lock = lock or RunLock.acquire(path)
         try:
+            cls.check_resumable(path, through_steps)
             cls._copy_through(path, through_steps)
             return cls(h5py.File(path, "r+", libver=LIBVER), path, lock, **kwargs)
         except BaseException:
@@ -226,35 +230,50 @@ class RunWriter:
             raise
 
     @staticmethod
+    def check_resumable(path: str | os.PathLike, through_steps: Mapping[str, int]) -> None:
+        """Refuse, reading only, a file that :meth:`resume` would continue wrongly.
+
+        The file must be a whole run file (a file shorter than its HDF5 superblock records
+        reads zeros for its lost end, which would come back as rows, and SWMR reads of it retry
+        for minutes) holding every row the checkpoint counts as written: each group of
+        ``through_steps`` has a row at its step (else it is another run's file, or one that
+        lost rows).
+
+        Raises:
+            RunFileError: one line saying why; the file is not touched.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise RunFileError(f"cannot resume: run file {path} is missing")
+        _check_whole(path)
+        try:
+            run = open_run(path)
+            for group, step in through_steps.items():
+                if group == names.EVENTS or step == UNWRITTEN_STEP:
+                    continue
+                rows = run.recorded(group)
+                steps = [] if rows is None else rows.step
+                if step not in steps:
+                    last = f"rows through step {steps[-1]}" if len(steps) else "no row"
+                    raise RunFileError(
+                        f"{path} holds {last} of {group!r}, but the checkpoint counts its rows "
+                        f"through step {step} as written: not the file this checkpoint's fit "
+                        "wrote, or one that lost rows"
+                    )
+        except RunFileError as error:
+            raise RunFileError(f"cannot resume: {error}") from error
+
+    @staticmethod
     def _copy_through(path: Path, through_steps: Mapping[str, int]) -> None:
         staging = path.with_name(path.name + ".resuming")
-        with h5py.File(path, "r", swmr=True) as old, h5py.File(staging, "w", libver=LIBVER) as new:
-            for key, value in old.attrs.items():
-                new.attrs[key] = value
-            last_step = UNWRITTEN_STEP
-            for group_name, group in old.get(SERIES, {}).items():
-                steps = _copy_rows(
-                    group,
-                    new.require_group(SERIES).create_group(group_name),
-                    through_steps.get(group_name, UNWRITTEN_STEP),
-                )
-                if len(steps):
-                    last_step = max(last_step, int(steps[-1]))
-            if names.EVENTS in old:
-                events = new.create_group(names.EVENTS)
-                _copy_rows(old[names.EVENTS], events, through_steps.get(names.EVENTS, -1))
-            else:  # a file from before events were recorded
-                _create_events(new)
-            if VECTORS in old:
-                old.copy(old[VECTORS], new)
-            status = old.get(names.STATUS, {})
-            _create_status(
-                new,
-                started_at=_scalar(status, names.STATUS_STARTED, time.time()),
-                wall_time_s=_scalar(status, names.STATUS_WALL_TIME, 0.0),
-                last_step=last_step,
-            )
-        os.replace(staging, path)
+        try:
+            _copy_file_through(path, staging, through_steps)
+            os.replace(staging, path)
+        except BaseException as error:
+            staging.unlink(missing_ok=True)
+            if isinstance(error, (OSError, KeyError)):
+                raise RunFileError(f"cannot resume {path}: {_reason(error)}") from error
+            raise
 
     def append(self, group: str, step: int, values: Mapping[str, Any]) -> None:
         """Buffer one row of ``group`` (every series of the group, as tensors or arrays)."""
@@ -412,6 +431,63 @@ class RunWriter:
 
     def _set_text(self, field: str, text: str) -> None:
         self._status[field][()] = _text(text, self._status[field].dtype)
+
+
+def _copy_file_through(path: Path, staging: Path, through_steps: Mapping[str, int]) -> None:
+    """Write to ``staging`` the run file at ``path`` with its rows through ``through_steps``."""
+    with h5py.File(path, "r", swmr=True) as old, h5py.File(staging, "w", libver=LIBVER) as new:
+        for key, value in old.attrs.items():
+            new.attrs[key] = value
+        last_step = UNWRITTEN_STEP
+        for group_name, group in old.get(SERIES, {}).items():
+            steps = _copy_rows(
+                group,
+                new.require_group(SERIES).create_group(group_name),
+                through_steps.get(group_name, UNWRITTEN_STEP),
+            )
+            if len(steps):
+                last_step = max(last_step, int(steps[-1]))
+        if names.EVENTS in old:
+            events = new.create_group(names.EVENTS)
+            _copy_rows(old[names.EVENTS], events, through_steps.get(names.EVENTS, -1))
+        else:  # a file from before events were recorded
+            _create_events(new)
+        if VECTORS in old:
+            old.copy(old[VECTORS], new)
+        status = old.get(names.STATUS, {})
+        _create_status(
+            new,
+            started_at=_scalar(status, names.STATUS_STARTED, time.time()),
+            wall_time_s=_scalar(status, names.STATUS_WALL_TIME, 0.0),
+            last_step=last_step,
+        )
+
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _check_whole(path: Path) -> None:
+    """Refuse a file that is not HDF5 or is shorter than its superblock's end-of-file address.
+
+    Run files have a version 2 or 3 superblock at byte 0: signature, version, sizes of offsets
+    and lengths, flags, then the base, extension and end-of-file addresses. HDF5 makes this
+    check itself, except in the SWMR reads that resuming needs.
+    """
+    with path.open("rb") as file:
+        head = file.read(64)
+    if head[:8] != _HDF5_SIGNATURE:
+        raise RunFileError(f"cannot resume: {path} is not an HDF5 file")
+    if len(head) > 12 and head[8] in (2, 3):
+        width = head[9]
+        base, _, end = (
+            int.from_bytes(head[12 + i * width : 12 + (i + 1) * width], "little") for i in range(3)
+        )
+        size = path.stat().st_size
+        if base + end > size:
+            raise RunFileError(
+                f"cannot resume: {path} is truncated ({size} bytes of the {base + end} its "
+                "HDF5 superblock records)"
+            )
 
 
 def _detach(file: h5py.File) -> None:
