@@ -193,10 +193,10 @@ def _check_trusted(run: Run, class_path: str) -> None:
 
     Looked up in the installed packages' metadata: nothing is imported, so a crafted file runs
     no code (the standard library and the working directory's modules are not installed
-    distributions; neither are a package's ``__main__`` modules, which run when imported).
+    distributions).
     """
     parts = class_path.split(".")
-    if parts[0] not in importlib.metadata.packages_distributions() or "__main__" in parts:
+    if parts[0] not in importlib.metadata.packages_distributions():
         raise DynamicsError(
             f"{run.path.name}: recorded model {class_path} is outside the installed packages "
             f"(importing it would run its code); name it with --model "
@@ -217,6 +217,11 @@ def _recorded_class(run: Run, class_path: str, trusted: bool) -> Any:
         raise DynamicsError(
             f"{run.path.name}: model {class_path} was defined inside a function; pass "
             "--model pkg.module:factory (or path/to/file.py:factory)"
+        )
+    if "__main__" in class_path.split("."):
+        raise DynamicsError(
+            f"{run.path.name}: recorded model {class_path} names a __main__ module, which runs "
+            f"a program when imported; pass --model path/to/file.py:{qualname.split('.')[-1]}"
         )
     if not trusted:
         _check_trusted(run, class_path)
