@@ -141,7 +141,10 @@ def _build_parser() -> argparse.ArgumentParser:
     plane.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
     plane.add_argument("--grid", type=int, default=41, help="grid points per axis (default 41)")
     plane.add_argument(
-        "--span", type=float, default=0.25, help="margin around the trajectories, as a fraction"
+        "--span",
+        type=float,
+        default=0.25,
+        help="margin around the trajectories, as a fraction of their range (0 to 100)",
     )
     plane.add_argument(
         "--coarse",
