@@ -89,6 +89,7 @@ def write_plane(
     progress: bool = False,
     model: str | None = None,
     init_args: dict | None = None,
+    trust_recorded_model: bool = False,
 ) -> PlaneWritten:
     """Both runs on a plane and each out of it, as HTML and HDF5.
 
@@ -113,6 +114,8 @@ def write_plane(
         model: build each run's model with this class or factory instead of the recorded
             class (see :func:`~dynamics.rebuild.rebuild_module`).
         init_args: init args completing or overriding the recorded ones.
+        trust_recorded_model: import a recorded class from outside the installed packages
+            (see :func:`~dynamics.rebuild.rebuild_module`).
 
     Raises:
         DynamicsError: ``processes`` below 1, an output that may not be written, a run file
@@ -136,7 +139,7 @@ def write_plane(
         if run.name in stored:
             continue
         try:
-            surfaces[run.name] = _surface(run, model, init_args)
+            surfaces[run.name] = _surface(run, model, init_args, trust_recorded_model)
         except DynamicsError as error:
             if not stored:
                 elsewhere = [r.name for r in runs if names.PLANE_END_STEPS in r.vector_names]
@@ -167,8 +170,8 @@ def write_plane(
     return PlaneWritten(html, results, notes, remarks)
 
 
-def _surface(run: Run, model: str | None, init_args: dict | None) -> LossSurface:
-    module = rebuild_module(run, model, init_args)
+def _surface(run: Run, model: str | None, init_args: dict | None, trust: bool) -> LossSurface:
+    module = rebuild_module(run, model, init_args, trust)
     buffers = NearestBuffers.of_run(run, module)
     return LossSurface(module, run.layout, probe_batch(run), buffers=buffers)
 

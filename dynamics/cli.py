@@ -1,16 +1,20 @@
 """The ``dynamics`` command line.
 
-Exit codes: 0 on success, 2 on bad input (one line on stderr, nothing a user has overwritten).
+Exit codes: 0 on success, 2 on bad input (one line on stderr, nothing a user has overwritten)
+or output that cannot be written (a full disk), 141 when a reader stops early (``| head``).
+Every option is checked before any file is read or created.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from dynamics.errors import DynamicsError
 
@@ -18,6 +22,15 @@ if TYPE_CHECKING:
     from dynamics.analysis.report import Written
 
 USAGE_ERROR = 2
+#: A shell's status of a command whose reader went away (128 + SIGPIPE).
+BROKEN_PIPE = 141
+#: The largest seed or step count: what a 64-bit signed integer holds.
+_INT64_MAX = 2**63 - 1
+#: The largest ``--span``: a grid 201 times the trajectories' range already shows them as a dot.
+_MAX_SPAN = 100.0
+#: Float64 arrays a plane grid point costs at least: the losses of two views per run, and the
+#: coordinates of a mesh.
+_GRID_ARRAYS = 6
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,14 +43,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dynamics`` console script."""
     parser = _build_parser()
     args = parser.parse_args(argv)
+    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # a full disk fails here, not in the interpreter's exit
+        return code
     except DynamicsError as error:
         print(f"dynamics: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         print("dynamics: interrupted", file=sys.stderr)
         return 130
+    except _StdoutFailed as failed:
+        _discard(stdout)
+        if isinstance(failed.error, BrokenPipeError):
+            return BROKEN_PIPE  # the reader has what it wanted (| head): nothing to report
+        print(f"dynamics: error: cannot write the output: {failed.error.strerror}", file=sys.stderr)
+        return USAGE_ERROR
+    finally:
+        sys.stdout = stdout
+
+
+class _StdoutFailed(Exception):
+    """Standard output could not be written; ``error`` says why."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Stdout:
+    """Standard output whose write errors are told apart from every other OSError."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            raise _StdoutFailed(error) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise _StdoutFailed(error) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _discard(stream: TextIO) -> None:
+    """Point ``stream``'s descriptor at /dev/null: Python flushes what it still holds at exit,
+    and that flush must not fail again with a traceback."""
+    try:
+        descriptor = stream.fileno()
+    except (OSError, ValueError):  # not a real file (a test's captured output)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -75,7 +141,10 @@ def _build_parser() -> argparse.ArgumentParser:
     plane.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
     plane.add_argument("--grid", type=int, default=41, help="grid points per axis (default 41)")
     plane.add_argument(
-        "--span", type=float, default=0.25, help="margin around the trajectories, as a fraction"
+        "--span",
+        type=float,
+        default=0.25,
+        help="margin around the trajectories, as a fraction of their range (0 to 100)",
     )
     plane.add_argument(
         "--coarse",
@@ -98,6 +167,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plane.add_argument(
         "--init-args", metavar="JSON", help="init args completing or overriding the recorded ones"
+    )
+    plane.add_argument(
+        "--trust-recorded-model",
+        action="store_true",
+        help="import the runs' recorded model class even from outside the installed packages "
+        "(e.g. the working directory's modules); importing runs that module's code",
     )
     plane.set_defaults(handler=_plane)
 
@@ -135,9 +210,20 @@ def _html_output_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_range(option: str, value: float | None, low: float, high: float) -> None:
+    """Refuse ``value`` (None: not given) outside ``[low, high]``, or not finite."""
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise DynamicsError(f"{option} must be a number from {low} to {high}, got {value}")
+
+
 def _run(args: argparse.Namespace) -> int:
     from dynamics.experiments.config import load_config
     from dynamics.experiments.runner import run_experiment
+
+    _check_range("--steps", args.steps, 1, _INT64_MAX)
+    _check_range("--seed", args.seed, 0, _INT64_MAX)
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise DynamicsError(f"--lr must be a finite number > 0, got {args.lr}")
 
     experiment, config = load_config(
         args.config, steps=args.steps, seed=args.seed, **{"optimizer.lr": args.lr}
@@ -198,7 +284,23 @@ def _status_line(status: dict) -> str:
 
 def _plane(args: argparse.Namespace) -> int:
     from dynamics.analysis.plane_run import write_plane
+    from dynamics.memory import check_fits
 
+    if args.grid < 2:
+        raise DynamicsError(f"--grid must be at least 2, got {args.grid}")
+    check_fits(f"--grid {args.grid}", _GRID_ARRAYS * 8 * args.grid**2)
+    if args.coarse is not None and not 2 <= args.coarse <= args.grid:
+        raise DynamicsError(
+            f"--coarse must be between 2 and --grid ({args.grid}), got {args.coarse}"
+        )
+    _check_range("--span", args.span, 0, _MAX_SPAN)
+    cores = os.cpu_count() or 1
+    if args.processes is not None and not 1 <= args.processes <= cores:
+        raise DynamicsError(
+            f"--processes must be at least 1 and at most this machine's {cores} cores, "
+            f"got {args.processes}"
+        )
+    init_args = _json_object(args.init_args, "--init-args")
     written = write_plane(
         args.run_a,
         args.run_b,
@@ -211,7 +313,8 @@ def _plane(args: argparse.Namespace) -> int:
         processes=args.processes,
         progress=not args.no_progress,
         model=args.model,
-        init_args=_json_object(args.init_args, "--init-args"),
+        init_args=init_args,
+        trust_recorded_model=args.trust_recorded_model,
     )
     for remark in written.remarks:
         print(remark)

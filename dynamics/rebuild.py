@@ -11,6 +11,12 @@ losses silently) and says what to pass instead: the missing args as JSON, or a f
 A class defined in the training script (``__main__``) or in a file that is not importable is
 named with ``model="path/to/file.py:Class"``; a module of the working directory imports as it
 would in ``python -c``.
+
+A run file is data, and importing a module runs its code: the recorded class path is trusted
+only when its top-level package is an installed distribution's (looked up in the installed
+metadata, before anything is imported), and only a ``torch.nn.Module`` subclass is ever called.
+Anything else (the working directory's modules, the standard library) needs the user's word:
+``model=`` names the class or factory, or ``trust_recorded_model=True`` imports the recorded one.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -57,7 +64,10 @@ def module_record(module: nn.Module) -> dict[str, Any]:
 
 
 def rebuild_module(
-    run: Run, model: str | None = None, init_args: Mapping[str, Any] | None = None
+    run: Run,
+    model: str | None = None,
+    init_args: Mapping[str, Any] | None = None,
+    trust_recorded_model: bool = False,
 ) -> nn.Module:
     """The run's model at θ0, with θ0's buffers.
 
@@ -68,14 +78,22 @@ def rebuild_module(
             or overridden by ``init_args``) or a factory (given ``init_args`` only, and
             trusted to build the model as trained).
         init_args: init args that complete or override the recorded ones.
+        trust_recorded_model: import the recorded class even from outside the installed
+            packages (the working directory's modules); it must still be a ``torch.nn.Module``.
 
     Raises:
-        DynamicsError: the class or factory cannot be imported or called, init args are
+        DynamicsError: the recorded class is outside the installed packages (without
+            ``trust_recorded_model``) or not a ``torch.nn.Module`` subclass, the class or
+            factory cannot be imported or called, init args are
             missing, or the model built differs from the run's parameters or buffers.
     """
     spec = run.attrs.get(names.ATTR_MODULE) or {}
     class_path = spec.get("class_path", "")
-    target = _target(model) if model else _recorded_class(run, class_path)
+    if model:
+        target = _target(model)
+    else:
+        target = _recorded_class(run, class_path, trust_recorded_model)
+        _check_module_class(run, class_path, target)
     given = dict(init_args or {})
     if inspect.isclass(target):
         args = {**(spec.get("init_args") or {}), **given}
@@ -161,7 +179,32 @@ def _init_parameters(cls: type) -> list[str]:
     return [p.name for p in parameters if p.kind in kinds]
 
 
-def _recorded_class(run: Run, class_path: str) -> Any:
+def _check_module_class(run: Run, class_path: str, target: Any) -> None:
+    """Refuse to call a recorded class that is not a ``torch.nn.Module`` subclass."""
+    if not (inspect.isclass(target) and issubclass(target, nn.Module)):
+        raise DynamicsError(
+            f"{run.path.name}: recorded model {class_path} is not a torch.nn.Module subclass; "
+            "refusing to call it (pass --model to name the model's class)"
+        )
+
+
+def _check_trusted(run: Run, class_path: str) -> None:
+    """Refuse a recorded class path whose top-level package no installed distribution provides.
+
+    Looked up in the installed packages' metadata: nothing is imported, so a crafted file runs
+    no code (the standard library and the working directory's modules are not installed
+    distributions).
+    """
+    parts = class_path.split(".")
+    if parts[0] not in importlib.metadata.packages_distributions():
+        raise DynamicsError(
+            f"{run.path.name}: recorded model {class_path} is outside the installed packages "
+            f"(importing it would run its code); name it with --model "
+            f"path/to/file.py:{parts[-1]}, or pass --trust-recorded-model if you trust this file"
+        )
+
+
+def _recorded_class(run: Run, class_path: str, trusted: bool) -> Any:
     if not class_path:
         raise DynamicsError(f"{run.path.name}: no model class recorded; pass --model")
     module_name, _, qualname = class_path.partition(".")
@@ -175,6 +218,13 @@ def _recorded_class(run: Run, class_path: str) -> Any:
             f"{run.path.name}: model {class_path} was defined inside a function; pass "
             "--model pkg.module:factory (or path/to/file.py:factory)"
         )
+    if "__main__" in class_path.split("."):
+        raise DynamicsError(
+            f"{run.path.name}: recorded model {class_path} names a __main__ module, which runs "
+            f"a program when imported; pass --model path/to/file.py:{qualname.split('.')[-1]}"
+        )
+    if not trusted:
+        _check_trusted(run, class_path)
     # The module path and the class's qualified name share dots: the longest importable
     # prefix is the module.
     parts = class_path.split(".")
@@ -182,7 +232,7 @@ def _recorded_class(run: Run, class_path: str) -> Any:
     for cut in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:cut])
         try:
-            with _importable_working_directory():
+            with _importable_working_directory() if trusted else contextlib.nullcontext():
                 module = importlib.import_module(module_name)
         except ImportError as error:
             first_error = first_error or error
@@ -191,8 +241,8 @@ def _recorded_class(run: Run, class_path: str) -> Any:
             raise DynamicsError(f"importing {module_name} failed: {_one_line(error)}") from None
         return _attribute(module, ".".join(parts[cut:]), class_path)
     raise DynamicsError(
-        f"{run.path.name}: cannot import model {class_path} ({_one_line(first_error)}); run "
-        f"from the folder it imports from, or pass --model path/to/file.py:{parts[-1]}"
+        f"{run.path.name}: cannot import model {class_path} ({_one_line(first_error)}); pass "
+        f"--model path/to/file.py:{parts[-1]}"
     )
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from dynamics.analysis.compare import write_comparison
 from dynamics.analysis.report import write_report
-from dynamics.store import RunWriter, SeriesSpec
+from dynamics.store import RunWriter, SeriesSpec, View, names
 
 CHROMIUM = next(
     filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None
@@ -307,3 +307,52 @@ def test_a_users_probe_is_drawn_with_its_declared_labels(
     assert {"weight", "bias"} <= set(drawn["legend"])
     assert drawn["traces"] > 0 and drawn["with_data"] == drawn["traces"], drawn
     assert devtools.errors(session) == []
+
+
+#: Strings a crafted file may hold, each of which would set ``window.injected`` if a page
+#: let it through as markup.
+INJECTED = (
+    "<script>window.injected = 'script'</script>",
+    "<img src=x onerror=\"window.injected = 'img'\">",
+    "</script><script>window.injected = 'closed'</script>",
+)
+
+
+def test_strings_from_a_file_never_run_as_markup(pages, tmp_path):
+    """A run name, layer names, a series' title and config values reach the pages as text."""
+    devtools, _, _ = pages
+    t = np.arange(20)
+    layers = (INJECTED[1], INJECTED[2])
+    view = View("lines", INJECTED[0], INJECTED[1], units=INJECTED[2])
+    specs = {
+        "loss": {"train": SeriesSpec()},
+        "hidden_norms": {"norm": SeriesSpec((2,), columns=layers)},
+        "custom": {"value": SeriesSpec(view=view)},
+    }
+    runs = []
+    for i, name in enumerate(INJECTED[:2]):
+        attrs = {
+            names.ATTR_RUN_NAME: name,
+            "config": {INJECTED[0]: INJECTED[2], "variant": INJECTED[1], "i": i},
+            "theta0_sha256": "0" * 64,
+        }
+        path = tmp_path / f"run{i}.h5"
+        writer = RunWriter.create(path, specs, {}, attrs)
+        for step in t:
+            writer.append("loss", int(step), {"train": 1.0 / (1 + step)})
+            writer.append("hidden_norms", int(step), {"norm": np.array([1.0, 2.0]) * step})
+            writer.append("custom", int(step), {"value": float(step)})
+        writer.close()
+        runs.append(path)
+    written = [
+        write_report(runs, tmp_path / "report.html").path,
+        write_comparison(runs, tmp_path / "compare.html").path,
+    ]
+    for page in written:
+        text = page.read_text()
+        assert INJECTED[0] not in text and "&lt;script&gt;window.injected" in text
+        plots, errors, external = rendered(devtools, page)
+        session = devtools.open(page.resolve().as_uri())
+        assert devtools.evaluate("String(window.injected)", session) == "undefined"
+        assert errors == [] and external == []
+        assert plots and all(p["svg"] for p in plots)

@@ -167,7 +167,7 @@ def test_loss_at_theta_final_is_the_trained_models_eval_loss(bn_runs):
     batch = probe_batch(run)
     with torch.no_grad():
         trained = module_loss(module.eval(), batch).item()
-    rebuilt = rebuild_module(run)
+    rebuilt = rebuild_module(run, trust_recorded_model=True)  # a class of this test module
     run.load_into(rebuilt)
     with torch.no_grad():
         assert module_loss(rebuilt.eval(), batch).item() == trained
@@ -184,8 +184,14 @@ def test_plane_through_a_model_file_matches_direct_evaluation(bn_runs, dynamics,
     folder, runs = bn_runs
     paths = [folder / "slow.h5", folder / "fast.h5"]
     out = folder / "plane.html"
-    # Started elsewhere, the process cannot import this test module by its recorded path.
+    # A test module is no installed package: refused without the user's word, and started
+    # elsewhere, trusted or not, the process cannot import it by its recorded path.
     refused = dynamics("plane", *paths, "-o", out, "--grid", "3", cwd=folder)
+    one_line_error(refused)
+    assert "outside the installed packages" in refused.stderr
+    assert "--model path/to/file.py:BatchNormDictCNN" in refused.stderr
+    trusted = [*paths, "-o", out, "--grid", "3", "--trust-recorded-model"]
+    refused = dynamics("plane", *trusted, cwd=folder)
     one_line_error(refused)
     assert "cannot import model" in refused.stderr and "BatchNormDictCNN" in refused.stderr
     assert "--model path/to/file.py:BatchNormDictCNN" in refused.stderr
@@ -287,18 +293,24 @@ def test_unrecorded_init_args_are_refused_and_can_be_given(tmp_path, dynamics, o
     assert record["init_args"] == {}
     assert record["unrecorded_init_args"] == ["label_smoothing", "width"]
     with pytest.raises(DynamicsError, match="init args label_smoothing, width of UnsavedArgsMLP"):
-        rebuild_module(run)
-    rebuilt = rebuild_module(run, init_args={"width": 6, "label_smoothing": 0.1})
+        rebuild_module(run, trust_recorded_model=True)
+    rebuilt = rebuild_module(
+        run, init_args={"width": 6, "label_smoothing": 0.1}, trust_recorded_model=True
+    )
     run.load_into(rebuilt)
     batch = probe_batch(run)
     with torch.no_grad():
         assert module_loss(rebuilt.eval(), batch).item() == module_loss(module.eval(), batch).item()
     with pytest.raises(DynamicsError, match="were these its init args"):
-        rebuild_module(run, init_args={"width": 5, "label_smoothing": 0.1})
-    # The CLI, run from this folder: the module imports from the working directory.
+        rebuild_module(
+            run, init_args={"width": 5, "label_smoothing": 0.1}, trust_recorded_model=True
+        )
+    # The CLI, run from this folder and trusting the file: the module imports from the
+    # working directory.
     torch.manual_seed(0)
     fit(UnsavedArgsMLP(width=6, label_smoothing=0.3), tmp_path / "b.h5", steps=4)
     args = ["plane", tmp_path / "a.h5", tmp_path / "b.h5", "--grid", "2", "--no-progress"]
+    args.append("--trust-recorded-model")
     refused = dynamics(*args, "-o", tmp_path / "x.html", cwd=THIS_FILE.parent.parent)
     one_line_error(refused)
     assert "--init-args" in refused.stderr and "label_smoothing, width" in refused.stderr

@@ -7,6 +7,8 @@ the wrong type are refused with one line naming the key.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,6 +24,10 @@ if TYPE_CHECKING:
 
 #: The experiment of a config without an ``experiment:`` key (configs from before the key).
 DEFAULT_EXPERIMENT = "teacher_student"
+
+
+#: The largest integer a config holds: what torch, numpy and HDF5 hold in 64 bits.
+_INT64_MAX = 2**63 - 1
 
 
 class ConfigError(DynamicsError):
@@ -56,6 +62,17 @@ class ExperimentConfig:
         check_positive(
             {"steps": self.steps, "eval_every": self.eval_every, "threads": self.threads}
         )
+        check_seeds({"seed": self.seed})
+        if self.eval_every > self.steps:
+            raise ConfigError(
+                f"eval_every ({self.eval_every}) must be at most steps ({self.steps}), "
+                "or no held-out loss is ever measured"
+            )
+        cores = os.cpu_count() or 1
+        if self.threads > cores:
+            raise ConfigError(
+                f"threads must be at most this machine's {cores} cores, got {self.threads}"
+            )
         return self
 
 
@@ -68,6 +85,18 @@ def check_positive(values: Mapping[str, float]) -> None:
     for key, value in values.items():
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+
+
+def check_seeds(values: Mapping[str, int]) -> None:
+    """Refuse the first of ``{dotted key: seed}`` below 0 (the random streams take
+    non-negative seeds).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    for key, value in values.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
 
 
 def check_variant_names(names: Iterable[str]) -> None:
@@ -103,9 +132,11 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config {path}: no such file")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_text(), Loader=_UniqueKeysLoader) or {}
         except yaml.YAMLError as error:
             raise ConfigError(f"config {path}: not valid YAML ({_first_line(error)})") from None
+        except ConfigError as error:
+            raise ConfigError(f"config {path}: {error}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config {path}: expected a mapping at the top level")
     name = data.pop("experiment", DEFAULT_EXPERIMENT)
@@ -116,6 +147,27 @@ def load_config(
         if value is not None:
             _override(data, dotted, value)
     return experiment, _build(experiment.config_class, data, "").validate()
+
+
+class _UniqueKeysLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in a mapping (YAML keeps the last
+    silently, so a second ``record:`` would drop every key of the first)."""
+
+
+def _unique_keys_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            line = key_node.start_mark.line + 1
+            raise ConfigError(f"key {key!r} is given twice in one mapping (line {line})")
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeysLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys_mapping
+)
 
 
 def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -131,7 +183,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ConfigError(f"unknown config key {prefix}{unknown[0]!r}; known: {', '.join(known)}")
+        raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; known: {', '.join(known)}")
     values = {}
     for name, value in data.items():
         default = getattr(cls(), name)
@@ -151,10 +203,14 @@ def _checked(key: str, value: Any, default: Any) -> Any:
     if isinstance(default, int) and not isinstance(default, bool):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+        if abs(value) > _INT64_MAX:  # torch, numpy and HDF5 hold 64 bits
+            raise ConfigError(f"config key {key!r} must fit in 64 bits, got {value}")
     if isinstance(default, float):
         value = _yaml_float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
         return float(value)
     if isinstance(default, dict) and not isinstance(value, dict):
         raise ConfigError(f"config key {key!r} must be a mapping, got {value!r}")

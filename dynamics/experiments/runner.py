@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -16,7 +17,7 @@ from dynamics.callbacks import DynamicsRecorder
 from dynamics.errors import DynamicsError
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.registry import Built, Experiment, Recording
-from dynamics.store import open_run
+from dynamics.store import RunFileError, RunLock, open_run
 
 #: Train losses averaged for the summary's "final train loss" (single batches are noisy).
 _FINAL_WINDOW = 50
@@ -47,11 +48,16 @@ def run_experiment(
 ) -> list[VariantResult]:
     """Train each variant of ``config`` and record it into ``out_dir/<variant>.h5``.
 
-    Every variant is built, and the experiment plans every recording, before the first trains.
+    Every output path is checked and locked, every variant built, and the experiment plans
+    every recording, before the first trains. When anything fails (an exception, not an
+    interrupt), the run files and folders this call created are removed, so the same command
+    can be retried; a file that existed before is never removed (with ``overwrite``, a replaced
+    one keeps the failed run's record).
 
     Raises:
-        DynamicsError: an output exists and ``overwrite`` is false (checked for every variant
-            before any trains, so nothing is half-replaced), or the variants' θ0 differ.
+        DynamicsError: an output exists and ``overwrite`` is false, or another run is writing
+            one (checked for every variant before any trains, so nothing is half-replaced), or
+            the variants' θ0 differ.
     """
     out_dir = Path(out_dir)
     variants = experiment.variants(config)
@@ -59,23 +65,65 @@ def run_experiment(
     existing = [p for p in paths.values() if p.exists()]
     if existing and not overwrite:
         raise DynamicsError(f"{existing[0]} exists; pass --overwrite to replace it")
+    new_folders = [f for f in (out_dir, *out_dir.parents) if not f.exists()]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise DynamicsError(f"cannot create output folder {out_dir}: {error.strerror}") from None
-    torch.set_num_threads(config.threads)
-    _quiet_lightning()
-    built = {name: experiment.build(config, name) for name in variants}
-    recordings = experiment.recordings(config, built)
-    results = [
-        _train_variant(
-            experiment, config, name, setting, built[name], recordings[name], paths[name], progress
-        )
-        for name, setting in variants.items()
-    ]
-    if len({r.theta0_sha256 for r in results}) != 1:
-        raise DynamicsError("variants do not share θ0; the comparison is invalid")
+    new_files = [p for p in paths.values() if p not in existing]
+    locks = {}
+    try:
+        for name, path in paths.items():
+            locks[name] = RunLock.acquire(path)
+        torch.set_num_threads(config.threads)
+        _quiet_lightning()
+        built = {name: experiment.build(config, name) for name in variants}
+        recordings = experiment.recordings(config, built)
+        results = []
+        for name, setting in variants.items():
+            # The recorder locks its path itself at fit start: hand it over just before.
+            locks.pop(name).release()
+            results.append(
+                _train_variant(
+                    experiment,
+                    config,
+                    name,
+                    setting,
+                    built[name],
+                    recordings[name],
+                    paths[name],
+                    progress,
+                )
+            )
+        if len({r.theta0_sha256 for r in results}) != 1:
+            raise DynamicsError("variants do not share θ0; the comparison is invalid")
+    except Exception:
+        _release(locks)
+        _remove_created(new_files, new_folders)
+        raise
+    finally:
+        _release(locks)
     return results
+
+
+def _release(locks: dict[str, RunLock]) -> None:
+    for lock in locks.values():
+        lock.release()
+
+
+def _remove_created(files: list[Path], folders: list[Path]) -> None:
+    """Remove the run files and the (then empty) folders a failed call created; a file some
+    other live run is writing meanwhile is left alone."""
+    for path in files:
+        try:
+            lock = RunLock.acquire(path)
+        except RunFileError:
+            continue
+        path.unlink(missing_ok=True)
+        lock.release()
+    for folder in folders:  # deepest first
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _train_variant(

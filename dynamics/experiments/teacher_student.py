@@ -49,6 +49,13 @@ def seeded_residual_mlp(seed: int, stream: str, **architecture) -> ResidualMLP:
         return ResidualMLP(**architecture)
 
 
+def parameter_count(**architecture) -> int:
+    """The parameters of a :class:`ResidualMLP` of ``architecture``, counted without allocating
+    them (built on the meta device)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in ResidualMLP(**architecture).parameters())
+
+
 class TeacherStudentModule(pl.LightningModule):
     """The student: a residual MLP trained by MSE against the teacher's outputs.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dynamics.activations import ACTIVATIONS, SHIFTS
@@ -9,9 +10,11 @@ from dynamics.experiments.config import (
     ConfigError,
     ExperimentConfig,
     check_positive,
+    check_seeds,
     check_variant_names,
 )
-from dynamics.experiments.teacher_student import OPTIMIZERS
+from dynamics.experiments.teacher_student import OPTIMIZERS, parameter_count
+from dynamics.memory import check_fits
 
 
 @dataclass
@@ -76,10 +79,22 @@ class TeacherStudentConfig(ExperimentConfig):
                 "record.hessian_every_n_steps": self.record.hessian_every_n_steps,
             }
         )
-        if self.record.hessian_top_k < 0:
-            raise ConfigError(f"record.hessian_top_k must be >= 0, got {self.record.hessian_top_k}")
-        if self.optimizer.lr <= 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
+        check_seeds(
+            {"data.teacher_seed": self.data.teacher_seed, "data.data_seed": self.data.data_seed}
+        )
+        record = self.record
+        if record.hessian_top_k < 0:
+            raise ConfigError(f"record.hessian_top_k must be >= 0, got {record.hessian_top_k}")
+        for key, value in (
+            ("optimizer.lr", self.optimizer.lr),
+            ("record.flush_interval_s", record.flush_interval_s),
+        ):
+            if value <= 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
+        if record.snapshot_budget_mb < 0:
+            raise ConfigError(
+                f"record.snapshot_budget_mb must be >= 0, got {record.snapshot_budget_mb}"
+            )
         choices = {"model.activation": (self.model.activation, ACTIVATIONS)}
         choices["optimizer.name"] = (self.optimizer.name, OPTIMIZERS)
         for key, (value, known) in choices.items():
@@ -91,7 +106,34 @@ class TeacherStudentConfig(ExperimentConfig):
         shifts["data.teacher_shift"] = self.data.teacher_shift
         for key, shift in shifts.items():
             numeric = isinstance(shift, (int, float)) and not isinstance(shift, bool)
-            if shift not in SHIFTS and not numeric:
-                raise ConfigError(f"{key}: shift must be one of {SHIFTS} or a number: {shift!r}")
+            if shift not in SHIFTS and not (numeric and math.isfinite(shift)):
+                raise ConfigError(
+                    f"{key}: shift must be one of {SHIFTS} or a finite number: {shift!r}"
+                )
+        self._check_size()
         check_variant_names(self.variants)
         return self
+
+    def _check_size(self) -> None:
+        """Refuse what the model's size makes impossible, before anything is built: more
+        Hessian eigenvalues than parameters, a snapshot budget that holds fewer than two
+        snapshots, or models that cannot fit in memory."""
+        params = parameter_count(**vars(self.model))
+        record = self.record
+        if record.hessian_top_k > params:
+            raise ConfigError(
+                f"record.hessian_top_k must be at most the model's {params:,} parameters, "
+                f"got {record.hessian_top_k}"
+            )
+        snapshot_mb = 4 * params / 2**20  # float32
+        if 0 < record.snapshot_budget_mb < 2 * snapshot_mb:
+            raise ConfigError(
+                f"record.snapshot_budget_mb={record.snapshot_budget_mb:g} holds fewer than 2 "
+                f"snapshots of the model's {params:,} parameters ({snapshot_mb:.3g} MiB each); "
+                "raise it, or set 0 for no snapshots"
+            )
+        # A lower bound: every variant's student and teacher are built before the first
+        # trains; training adds a gradient and Adam's two moments, the Hessian probe k vectors.
+        floats = params * (2 * len(self.variants) + 3 + record.hessian_top_k)
+        floats += 2 * self.model.width * self.data.heldout_size * len(self.variants)
+        check_fits(f"this config's model ({params:,} parameters)", 4 * floats)

@@ -101,11 +101,13 @@ def _initial_gradient_plane(built: Mapping[str, Built], probe_batch: Any) -> Pla
     pair = list(built)[:2]
     students = [built[name].module for name in pair]
     layout = ParameterLayout.of(students[0])
-    gradients = [initial_gradient(s, probe_batch, layout).double().numpy() for s in students]
     theta0 = parameter_vector(students[0], layout).double().numpy()
     try:
+        gradients = [initial_gradient(s, probe_batch, layout).double().numpy() for s in students]
         return plane_from_gradients(theta0, *gradients)
-    except ValueError as error:  # zero or collinear gradients: a config that varies nothing
+    # Zero or collinear gradients: a config that varies nothing; not finite: a shift so large
+    # that the loss overflows.
+    except (ValueError, FloatingPointError) as error:
         raise DynamicsError(f"variants {pair[0]} and {pair[1]}: {error}") from None
 
 

@@ -1,0 +1,39 @@
+"""How much memory this machine has free, to refuse a job that cannot fit before it starts."""
+
+from __future__ import annotations
+
+import os
+
+from dynamics.errors import DynamicsError
+
+
+def available_bytes() -> int:
+    """The memory available to a new allocation: Linux's ``MemAvailable`` (free memory plus
+    caches it can drop), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(what: str, needed_bytes: float) -> None:
+    """Refuse ``what`` when it needs more than the available memory.
+
+    Args:
+        what: what needs the memory, as the message's subject (e.g. ``"--grid 100000"``).
+        needed_bytes: a lower bound of what it needs (a lower bound never refuses a job that
+            would fit).
+
+    Raises:
+        DynamicsError: naming ``what``, what it needs and what is available.
+    """
+    available = available_bytes()
+    if needed_bytes > available:
+        raise DynamicsError(
+            f"{what} needs at least {needed_bytes / 2**30:,.1f} GiB of memory; "
+            f"{available / 2**30:,.1f} GiB are available"
+        )
