@@ -122,6 +122,7 @@ def _running_status(path: Path) -> None:
         file["status/state"][()] = b"running"
         file["status/pid"][()] = 2**22 + 1  # no such process
         file["vectors/theta_final"][...] = np.nan
+        file["vectors/theta_final_step"][...] = np.nan
 
     _edit(path, change)
 

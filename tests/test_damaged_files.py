@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
+import shutil
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -32,6 +36,7 @@ from dynamics.cli import main
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.store import names
+from dynamics.store.reader import LIVE_RETRY_S
 
 # The tests run in importlib mode, which keeps tests/ off sys.path: load the generator by path.
 _spec = importlib.util.spec_from_file_location(
@@ -165,3 +170,87 @@ def test_the_real_runs_pass_every_call(real_runs):
     for call in _api_calls(run)[len(run.groups) :]:  # figures.group refuses some groups
         call()
     assert np.isfinite(open_run(real_runs[1]).vector(names.THETA0)).all()
+
+
+@pytest.mark.parametrize(
+    ("mutation", "message"),
+    [
+        ("schema_version_string", "schema_version is '1', not an integer"),
+        ("schema_version_negative", "schema_version is -1, not a version"),
+        ("schema_version_newer", "schema version 99 is newer than this dynamics reads"),
+        ("directory", "is a directory, not a run file"),
+        ("config_list", "attribute 'config' is a JSON list, not a JSON object"),
+        ("columns_not_json", "series/hidden_norms/norm has an attribute that is not valid JSON"),
+        ("layout_without_shapes", "attribute 'layout' has no list of shapes"),
+        ("step_deleted", "series/loss/step is missing"),
+        ("step_2d", "series/loss/step has shape (6, 2), not 1 axes"),
+        ("step_strings", "series/loss/step holds |S1, not integers"),
+        ("norm_1d", "series/hidden_norms/norm has rows of shape (), but its panels view"),
+        ("series_complex", "series/loss/train holds complex64, not real numbers"),
+        ("theta0_short", "vectors/theta0 has shape (165,), the parameter layout (168,)"),
+        ("probe_batch_wrong_shape", "the rebuilt model cannot take the stored probe batch"),
+    ],
+)
+def test_a_damaged_file_is_named_with_its_group_and_what_is_wrong(
+    real_runs, tmp_path, capsys, mutation, message
+):
+    damaged = make_damaged(real_runs[1], mutation, tmp_path)
+    html = str(tmp_path / "plane.html")
+    argv = ["plane", str(damaged), str(real_runs[0]), "-o", html, "--grid", "3", "--processes", "1"]
+    assert main(argv) == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr and str(damaged) in stderr or damaged.name in stderr, stderr
+
+
+def test_non_finite_vectors_and_snapshots_are_damage_not_values(real_runs, tmp_path):
+    for mutation, message in [
+        ("theta0_inf", "vectors/theta0 holds 168 non-finite entries of 168"),
+        ("theta0_some_nan", "vectors/theta0 holds 84 non-finite entries"),
+        ("g0_inf", "vectors/g0 holds 168 non-finite entries"),
+        ("theta_final_nan", "vectors/theta_final is unwritten (NaN) though its step is stored"),
+    ]:
+        run = open_run(make_damaged(real_runs[1], mutation, tmp_path))
+        name = message.split()[0].split("/")[1]
+        with pytest.raises(DynamicsError, match=re.escape(message)):
+            run.vector(name)
+    run = open_run(make_damaged(real_runs[1], "snapshots_nan", tmp_path))
+    with pytest.raises(DynamicsError, match="snapshots/theta holds non-finite parameters at step"):
+        run.stored_states()
+
+
+def test_a_run_killed_before_theta_final_neither_lists_nor_returns_it(real_runs, tmp_path):
+    run = open_run(make_damaged(real_runs[1], "killed_before_theta_final", tmp_path))
+    assert run.status().state == names.KILLED
+    assert run.vector(names.THETA_FINAL) is None
+    assert names.THETA_FINAL not in run.summary()["vectors"]
+    assert names.THETA0 in run.summary()["vectors"]
+
+
+def test_report_and_compare_read_a_directory_of_run_files(real_runs, tmp_path, capsys):
+    out = tmp_path / "report.html"
+    assert main(["report", str(real_runs[0].parent), "-o", str(out)]) == 0
+    assert all(f">{run.stem}<" in out.read_text() for run in real_runs)  # both sections
+    others = tmp_path / "others"
+    others.mkdir()
+    shutil.copyfile(real_runs[1], others / real_runs[1].name)
+    compared = tmp_path / "compare.html"
+    assert main(["compare", str(real_runs[0]), str(others), "-o", str(compared)]) == 0
+    assert real_runs[1].stem in compared.read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty), "-o", str(tmp_path / "none.html")]) == 2
+    assert "is a directory holding no run file" in capsys.readouterr().err
+
+
+def test_a_file_being_created_is_read_once_it_is_whole(real_runs, tmp_path):
+    """A reader arriving while a file is being created waits a moment for it, then reads it;
+    a file that stays unreadable is one line after the short wait."""
+    path = tmp_path / "live.h5"
+    path.write_bytes(b"\x89HDF\r\n")  # what a reader can meet between two of HDF5's writes
+    threading.Timer(0.3, shutil.copyfile, (real_runs[1], path)).start()
+    assert open_run(path).groups == open_run(real_runs[1]).groups
+    path.write_bytes(b"\x89HDF\r\n")
+    started = time.monotonic()
+    with pytest.raises(DynamicsError, match="not a readable run file"):
+        open_run(path)
+    assert time.monotonic() - started >= LIVE_RETRY_S

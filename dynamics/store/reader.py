@@ -12,7 +12,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -559,6 +559,24 @@ def open_run(path: str | os.PathLike) -> Run:
         time.sleep(0.05)
 
 
+def run_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """The run files of ``paths``: each file as given, each directory's ``*.h5`` files by name.
+
+    Raises:
+        RunFileError: a directory holding no ``.h5`` file.
+    """
+    files = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            files.append(path)
+            continue
+        inside = sorted(p for p in path.glob("*.h5") if p.is_file())
+        if not inside:
+            raise RunFileError(f"{path}: is a directory holding no run file (*.h5)")
+        files.extend(inside)
+    return files
+
+
 #: Seconds a file modified this recently is read again when it cannot be read yet.
 LIVE_RETRY_S = 1.0
 
@@ -576,6 +594,7 @@ def _read_run(path: Path) -> Run:
             name: _vector_shape(path, name, dataset, size)
             for name, dataset in _group(file, VECTORS, path).items()
         }
+    _check_drawable(path, declared)  # the views it stores; older files' rows are their own
     if not any(d.view for series in declared.values() for d in series.values()):
         declared = {
             group: {n: d._replace(view=standard_view(group, n)) for n, d in series.items()}
@@ -682,15 +701,14 @@ def _declared_group(path: Path, group: str, members: Any, size: int | None) -> d
             continue
         dataset = _checked(members, name, path, "biuf")
         where = f"{SERIES}/{group}/{name}"
-        axes = _row_axes(group, name)
-        if dataset.ndim == 0 or (axes is not None and dataset.ndim != axes + 1):
-            wanted = "one row per step" if axes is None else f"{axes + 1} axes (step first)"
-            raise RunFileError(f"{path}: {where} has shape {dataset.shape}, not {wanted}")
-        if (group, name) == (names.SNAPSHOTS, names.SNAPSHOT_THETA) and size is not None:
-            if dataset.shape[1] != size:
-                raise RunFileError(
-                    f"{path}: {where} has rows of {dataset.shape[1]} parameters, the layout {size}"
-                )
+        if dataset.ndim == 0:
+            raise RunFileError(f"{path}: {where} is a scalar, not one row per step")
+        snapshot = (group, name) == (names.SNAPSHOTS, names.SNAPSHOT_THETA)
+        if snapshot and (dataset.ndim != 2 or size not in (None, dataset.shape[1])):
+            raise RunFileError(
+                f"{path}: {where} has shape {dataset.shape}, not one row of the layout's "
+                f"{size} parameters per step"
+            )
         encoding = dataset.attrs.get(names.ATTR_ENCODING)
         if encoding is not None and (encoding != BFLOAT16 or dataset.dtype != np.uint16):
             raise RunFileError(f"{path}: {where} has the unknown encoding {encoding!r}")
@@ -698,14 +716,16 @@ def _declared_group(path: Path, group: str, members: Any, size: int | None) -> d
     return declared
 
 
-def _row_axes(group: str, name: str) -> int | None:
-    """The axes of one row of a standard series, or None for a user's series (any)."""
-    axes = frames.STANDARD_AXES.get((group, name))
-    if axes is not None:
-        return len(axes)
-    view = standard_view(group, name)
-    scalar = group == names.PLANE or (view is not None and view.kind == "scalar")
-    return 0 if scalar else None
+def _check_drawable(path: Path, declared: dict[str, dict[str, _Declared]]) -> None:
+    """Each drawn series has the rows its view draws: a number (scalar) or a vector."""
+    for group, series in declared.items():
+        for name, d in series.items():
+            axes = None if d.view is None else (0 if d.view.kind == "scalar" else 1)
+            if axes is not None and len(d.shape) != axes:
+                raise RunFileError(
+                    f"{path}: {SERIES}/{group}/{name} has rows of shape {d.shape}, but its "
+                    f"{d.view.kind} view draws rows of {'one number' if axes == 0 else 'one axis'}"
+                )
 
 
 def _vector_shape(path: Path, name: str, dataset: Any, size: int | None) -> tuple[int, ...]:
