@@ -36,7 +36,6 @@ from dynamics.cli import main
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.store import names
-from dynamics.store.reader import LIVE_RETRY_S
 
 # The tests run in importlib mode, which keeps tests/ off sys.path: load the generator by path.
 _spec = importlib.util.spec_from_file_location(
@@ -245,6 +244,8 @@ def test_report_and_compare_read_a_directory_of_run_files(real_runs, tmp_path, c
 def test_a_file_being_created_is_read_once_it_is_whole(real_runs, tmp_path):
     """A reader arriving while a file is being created waits a moment for it, then reads it;
     a file that stays unreadable is one line after the short wait."""
+    from dynamics.store.reader import LIVE_RETRY_S
+
     path = tmp_path / "live.h5"
     path.write_bytes(b"\x89HDF\r\n")  # what a reader can meet between two of HDF5's writes
     threading.Timer(0.3, shutil.copyfile, (real_runs[1], path)).start()
