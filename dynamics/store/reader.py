@@ -823,11 +823,12 @@ def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
     except ValueError:
         raise RunFileError(f"{path}: {where} has an attribute that is not valid JSON") from None
     if columns is not None:
-        named = isinstance(columns, list) and all(isinstance(c, str) for c in columns)
-        if not named or dataset.ndim < 2 or len(columns) != dataset.shape[-1]:
+        if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+            raise RunFileError(f"{path}: {where} has the columns {columns!r}, not a list of names")
+        if dataset.ndim < 2 or len(columns) != dataset.shape[-1]:
             raise RunFileError(
-                f"{path}: {where} has the columns {str(columns)[:60]!r}, not "
-                f"{dataset.shape[-1] if dataset.ndim > 1 else 'no'} names of its last axis"
+                f"{path}: {where} names {len(columns)} columns, but its rows have shape "
+                f"{dataset.shape[1:]}"
             )
     if view is not None:
         try:
