@@ -61,7 +61,7 @@ from dynamics.analysis.run_views import (
     series_views,
 )
 from dynamics.errors import DynamicsError
-from dynamics.store import Metric, Run, names, open_run
+from dynamics.store import Metric, Run, names, open_run, run_files
 
 __all__ = ["write_comparison"]
 
@@ -77,7 +77,8 @@ def write_comparison(
     """Write one self-contained HTML page comparing runs with the first one.
 
     Args:
-        run_paths: two or more run files; the first is the reference.
+        run_paths: two or more run files, or directories of them (their ``*.h5`` files
+            by name); the first is the reference.
         out_path: the HTML file to write (atomically).
         overwrite: replace an existing ``out_path`` (and existing static files).
         static_dir: also export every figure into this folder (see
@@ -93,6 +94,7 @@ def write_comparison(
             an existing output without ``overwrite``, or an output that is one of the inputs.
             Nothing is written then.
     """
+    run_paths = run_files(run_paths)  # a directory gives its run files
     if len(run_paths) < 2:
         raise DynamicsError("compare needs at least two run files")
     out = check_output(out_path, overwrite, run_paths)

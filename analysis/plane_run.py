@@ -173,7 +173,17 @@ def write_plane(
 def _surface(run: Run, model: str | None, init_args: dict | None, trust: bool) -> LossSurface:
     module = rebuild_module(run, model, init_args, trust)
     buffers = NearestBuffers.of_run(run, module)
-    return LossSurface(module, run.layout, probe_batch(run), buffers=buffers)
+    surface = LossSurface(module, run.layout, probe_batch(run), buffers=buffers)
+    theta0 = run.vector(names.THETA0)  # the plane's checks have asked for it already
+    try:  # once at θ0, so a stored batch the model cannot take is one line, not a worker's
+        if theta0 is not None:
+            surface.loss(theta0)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DynamicsError(
+            f"{run.path.name}: the rebuilt model cannot take the stored probe batch: {reason}"
+        ) from None
+    return surface
 
 
 def _evaluate_share(

@@ -41,7 +41,7 @@ from dynamics.analysis.run_views import (
     series_views,
 )
 from dynamics.errors import DynamicsError
-from dynamics.store import Run, names, open_run
+from dynamics.store import Run, names, open_run, run_files
 
 __all__ = ["Written", "overshoot_html", "run_overshoot", "write_report"]
 
@@ -57,7 +57,8 @@ def write_report(
     """Write one self-contained HTML report of the runs, one section per run.
 
     Args:
-        run_paths: run files, in the order of the sections.
+        run_paths: run files, in the order of the sections, or directories of them (their
+            ``*.h5`` files by name).
         out_path: the HTML file to write (atomically: a reader never sees half a report).
         overwrite: replace an existing ``out_path`` (and existing static files).
         static_dir: also export every figure as ``static_format`` into this folder, when
@@ -73,6 +74,7 @@ def write_report(
             without ``overwrite``, or an output that is one of the inputs. Nothing is written
             then.
     """
+    run_paths = run_files(run_paths)  # a directory gives its run files
     if not run_paths:
         raise DynamicsError("report needs at least one run file")
     out = check_output(out_path, overwrite, run_paths)

@@ -177,13 +177,17 @@ def _build_parser() -> argparse.ArgumentParser:
     plane.set_defaults(handler=_plane)
 
     report = commands.add_parser("report", help="self-contained HTML report of run files")
-    report.add_argument("runs", type=Path, nargs="+", metavar="RUN.h5", help="run files")
+    report.add_argument(
+        "runs", type=Path, nargs="+", metavar="RUN.h5", help="run files or directories of them"
+    )
     _html_output_arguments(report)
     report.set_defaults(handler=_report)
 
     compare = commands.add_parser("compare", help="compare runs with the first, as HTML")
     compare.add_argument("reference", type=Path, metavar="RUN.h5", help="the reference run")
-    compare.add_argument("others", type=Path, nargs="+", metavar="RUN.h5", help="runs to compare")
+    compare.add_argument(
+        "others", type=Path, nargs="+", metavar="RUN.h5", help="runs (or directories) to compare"
+    )
     _html_output_arguments(compare)
     compare.set_defaults(handler=_compare)
 

@@ -116,7 +116,7 @@ def test_a_malformed_view_is_a_one_line_error(tmp_path):
     run = write_run(tmp_path / "run.h5", {"loss": {"train": SeriesSpec()}}, {})
     with h5py.File(run.path, "r+") as file:
         file["series/loss/train"].attrs["view"] = '{"no": "kind"}'
-    with pytest.raises(RunFileError, match="not a readable run file"):
+    with pytest.raises(RunFileError, match="series/loss/train has a view that is not one"):
         open_run(run.path)
 
 

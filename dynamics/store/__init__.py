@@ -2,7 +2,16 @@
 
 from dynamics.store import names
 from dynamics.store.lock import RunLock
-from dynamics.store.reader import Event, Metric, Run, RunStatus, Series, StoredState, open_run
+from dynamics.store.reader import (
+    Event,
+    Metric,
+    Run,
+    RunStatus,
+    Series,
+    StoredState,
+    open_run,
+    run_files,
+)
 from dynamics.store.schema import SCHEMA, SCHEMA_VERSION, RunFileError, SeriesSpec, View
 from dynamics.store.writer import RunWriter
 
@@ -22,4 +31,5 @@ __all__ = [
     "View",
     "names",
     "open_run",
+    "run_files",
 ]

@@ -6,10 +6,13 @@ plain open of such a file); a finished one is opened plainly, which also detects
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
+import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -22,6 +25,7 @@ from dynamics.errors import DynamicsError
 from dynamics.store import frames, names
 from dynamics.store.schema import (
     BFLOAT16,
+    PARAMETER_VECTORS,
     SCHEMA,
     SCHEMA_VERSION,
     SERIES,
@@ -30,7 +34,9 @@ from dynamics.store.schema import (
     VECTORS,
     RunFileError,
     View,
+    check_attrs,
     decode_attr,
+    layout_size,
 )
 from dynamics.store.views import STANDARD_VIEWS, standard_view
 
@@ -251,6 +257,11 @@ class Run:
                     else None
                 )
                 theta = snapshots[names.SNAPSHOT_THETA][i]
+                if not np.isfinite(theta).all():
+                    raise RunFileError(
+                        f"{self.path}: series/{names.SNAPSHOTS}/{names.SNAPSHOT_THETA} holds "
+                        f"non-finite parameters at step {step}"
+                    )
                 states.append(StoredState(int(step), "snapshot", theta, buffers))
         final = self.vector(names.THETA_FINAL)
         if final is not None:
@@ -339,13 +350,8 @@ class Run:
                 f"{self.path.name} has no series {group!r} (has {', '.join(self.groups)})"
             )
         if group not in self._series:
-            try:
-                with _open(self.path) as file:
-                    step, values = _read_rows(file[SERIES][group])
-            except OSError as error:
-                raise RunFileError(
-                    f"{self.path}: cannot read series {group!r} (truncated or corrupted?)"
-                ) from error
+            with _reading(self.path, f"series {group!r}") as file:
+                step, values = _read_rows(file[SERIES][group])
             columns = {n: d.columns for n, d in self._declared[group].items() if d.columns}
             self._series[group] = Series(step, values, columns, self.views(group), group)
         return self._series[group]
@@ -409,26 +415,38 @@ class Run:
         return metrics[keys[0]] if keys else None
 
     def vector(self, name: str) -> np.ndarray | None:
-        """A stored vector, or None when it is absent or was never filled (NaN)."""
+        """A stored vector, or None when it is absent or was never filled (NaN).
+
+        Raises:
+            RunFileError: the vector is damaged: a parameter vector (θ0, θT, g0, the plane's
+                basis) with non-finite entries, or θT unwritten though its step is stored.
+        """
         if name not in self.vector_names:
             return None
-        with _open(self.path) as file:
+        with _reading(self.path, f"vector {name!r}") as file:
             value = file[VECTORS][name][...]
-        unfilled = value.dtype.kind in "fc" and np.isnan(value).all()
-        return None if unfilled else value
+            unfilled = _unwritten(file, name, value)
+        if unfilled:
+            return None
+        if name in PARAMETER_VECTORS and not np.isfinite(value).all():
+            bad = int((~np.isfinite(value)).sum())
+            raise RunFileError(
+                f"{self.path}: vectors/{name} holds {bad} non-finite entries of {value.size}"
+            )
+        return value
 
     def events(self) -> list[Event]:
         """What probes reported (disabled, failed, warned), in the order it happened.
 
         Read anew at each call, so a live run's latest events show.
         """
-        with _open(self.path) as file:
+        with _reading(self.path, names.EVENTS) as file:
             if names.EVENTS not in file:
                 return []
             group = file[names.EVENTS]
-            steps = group[STEP][:]
+            steps = _checked(group, STEP, self.path, "iu", ndim=1)[:]
             fields = [
-                group[name][:]
+                _checked(group, name, self.path, "S", ndim=1)[:]
                 for name in (names.EVENT_PROBE, names.EVENT_KIND, names.EVENT_MESSAGE)
             ]
         # A killed writer can leave a row's fields without its step, or a step unwritten.
@@ -441,10 +459,13 @@ class Run:
 
     def status(self) -> RunStatus:
         """The run's state, last flushed step and wall time, read anew at each call."""
-        with _open(self.path) as file:
+        with _reading(self.path, names.STATUS) as file:
             if names.STATUS not in file:
                 return RunStatus(names.UNKNOWN)
-            fields = {name: _decoded_text(d[()]) for name, d in file[names.STATUS].items()}
+            fields = {
+                name: _decoded_text(_checked(file[names.STATUS], name, self.path, kinds, 0)[()])
+                for name, kinds in _STATUS_KINDS.items()
+            }
         state = fields[names.STATUS_STATE]
         if state == names.RUNNING and not _writer_alive(
             fields[names.STATUS_HOST], fields[names.STATUS_PID]
@@ -464,15 +485,15 @@ class Run:
         """Series lengths, step ranges, status, events and metadata, as ``dynamics info``
         prints them."""
         series = {}
-        try:
-            # Only each group's step index and extents are read: a snapshot group can hold
-            # gigabytes that a summary never needs.
-            with _open(self.path) as file:
-                spans = {group: _step_span(file[SERIES][group]) for group in self.groups}
-        except OSError as error:
-            raise RunFileError(
-                f"{self.path}: cannot read its steps (truncated or corrupted?)"
-            ) from error
+        # Only each group's step index and extents are read, and each vector's first entry: a
+        # snapshot group can hold gigabytes that a summary never needs.
+        with _reading(self.path, "its steps") as file:
+            spans = {group: _step_span(file[SERIES][group]) for group in self.groups}
+            vectors = {
+                name: list(shape)
+                for name, shape in self._vector_shapes.items()
+                if not _unwritten(file, name, file[VECTORS][name][:1])
+            }
         for group, (rows, first, last) in spans.items():
             series[group] = {
                 "rows": rows,
@@ -487,7 +508,7 @@ class Run:
             "status": self.status().to_dict(),
             "events": [dataclasses.asdict(event) for event in self.events()],
             "series": series,
-            "vectors": {n: list(s) for n, s in self._vector_shapes.items()},
+            "vectors": vectors,
             "attrs": {
                 k: v for k, v in self.attrs.items() if k not in ("schema", names.ATTR_LAYOUT)
             },
@@ -511,42 +532,230 @@ class Run:
 
 
 def open_run(path: str | os.PathLike) -> Run:
-    """Open and validate a run file.
+    """Open and validate a run file: its attributes and the structure of every group and
+    vector (names, shapes, dtypes), not yet their rows.
+
+    A file still being created (modified within the last second) gets a short retry: its
+    writer may be between two of HDF5's writes.
 
     Raises:
-        RunFileError: the path is missing, is not an HDF5 run file, is truncated or corrupted,
-            or carries a newer schema version than this dynamics reads.
+        RunFileError: the path is missing or a directory, is not an HDF5 run file, is
+            truncated or corrupted, carries a newer schema version than this dynamics reads,
+            or breaks the schema (one line naming the file, the group and what is wrong).
     """
     path = Path(path)
+    if path.is_dir():
+        raise RunFileError(f"{path}: is a directory, not a run file")
     if not path.is_file():
         raise RunFileError(f"{path}: no such file")
-    try:
-        with _open(path) as file:
-            attrs = {k: decode_attr(v) for k, v in file.attrs.items()}
-            if attrs.get("schema") != SCHEMA:
-                raise RunFileError(f"{path}: not a dynamics run file (no '{SCHEMA}' schema)")
-            version = attrs.get("schema_version")
-            if not isinstance(version, int) or version > SCHEMA_VERSION:
-                raise RunFileError(
-                    f"{path}: schema version {version} is newer than this dynamics reads "
-                    f"({SCHEMA_VERSION}); upgrade dynamics"
-                )
-            declared = {}
-            for group, datasets in file[SERIES].items() if SERIES in file else ():
-                # Every dataset, step included, is looked at here so corruption shows on open.
-                declared[group] = {n: _declared(d) for n, d in datasets.items()}
-                del declared[group][STEP]
-            vectors = {n: d.shape for n, d in file[VECTORS].items()} if VECTORS in file else {}
-    except RunFileError:
-        raise
-    except (OSError, KeyError, ValueError, TypeError) as error:
-        raise RunFileError(f"{path}: not a readable run file (truncated or corrupted?)") from error
+    deadline = time.monotonic() + LIVE_RETRY_S
+    while True:
+        try:
+            return _read_run(path)
+        except RunFileError:
+            live = time.time() - path.stat().st_mtime < LIVE_RETRY_S
+            if not live or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def run_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """The run files of ``paths``: each file as given, each directory's ``*.h5`` files by name.
+
+    Raises:
+        RunFileError: a directory holding no ``.h5`` file.
+    """
+    files = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            files.append(path)
+            continue
+        inside = sorted(p for p in path.glob("*.h5") if p.is_file())
+        if not inside:
+            raise RunFileError(f"{path}: is a directory holding no run file (*.h5)")
+        files.extend(inside)
+    return files
+
+
+#: Seconds a file modified this recently is read again when it cannot be read yet.
+LIVE_RETRY_S = 1.0
+
+
+def _read_run(path: Path) -> Run:
+    with _reading(path, "it") as file:
+        attrs = _root_attrs(file, path)
+        layout = attrs.get(names.ATTR_LAYOUT)
+        size = layout_size(layout) if isinstance(layout, dict) else None
+        declared = {
+            group: _declared_group(path, group, members, size)
+            for group, members in _group(file, SERIES, path).items()
+        }
+        vectors = {
+            name: _vector_shape(path, name, dataset, size)
+            for name, dataset in _group(file, VECTORS, path).items()
+        }
+    _check_drawable(path, declared)  # the views it stores; older files' rows are their own
     if not any(d.view for series in declared.values() for d in series.values()):
         declared = {
             group: {n: d._replace(view=standard_view(group, n)) for n, d in series.items()}
             for group, series in declared.items()
         }
     return Run(path, attrs, declared, vectors)
+
+
+@contextlib.contextmanager
+def _reading(path: Path, what: str) -> Iterator[h5py.File]:
+    """The file open for reading, any failure of HDF5 or of its layout turned into one line."""
+    try:
+        with _open(path) as file:
+            yield file
+    except RunFileError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RunFileError(
+            f"{path}: cannot read {what}, not a readable run file (truncated or corrupted?): "
+            f"{reason[:120]}"
+        ) from error
+
+
+def _root_attrs(file: h5py.File, path: Path) -> dict[str, Any]:
+    attrs = {}
+    for name, value in file.attrs.items():
+        try:
+            attrs[name] = decode_attr(value)
+        except ValueError:
+            raise RunFileError(f"{path}: attribute {name!r} is not valid JSON") from None
+    if attrs.get("schema") != SCHEMA:
+        raise RunFileError(f"{path}: not a dynamics run file (no '{SCHEMA}' schema)")
+    version = attrs.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise RunFileError(
+            f"{path}: schema version {version} is newer than this dynamics reads "
+            f"({SCHEMA_VERSION}); upgrade dynamics"
+        )
+    try:
+        check_attrs(attrs)
+    except ValueError as error:
+        raise RunFileError(f"{path}: {error}") from None
+    return attrs
+
+
+def _group(file: h5py.File, name: str, path: Path) -> h5py.Group | dict:
+    """A top-level group of the file (empty when absent, as in files from before it)."""
+    group = file.get(name)
+    if group is None:
+        return {}
+    if not isinstance(group, h5py.Group):
+        raise RunFileError(f"{path}: /{name} is a dataset, not a group")
+    return group
+
+
+def _checked(
+    group: h5py.Group, name: str, path: Path, kinds: str, ndim: int | None = None
+) -> h5py.Dataset:
+    """``group[name]``, checked to be a dataset of ``ndim`` axes whose dtype is of ``kinds``
+    (NumPy dtype kinds: ``iu`` integers, ``f`` floats, ``S`` text)."""
+    where = f"{group.name.lstrip('/')}/{name}"
+    dataset = group.get(name)
+    if dataset is None:
+        raise RunFileError(f"{path}: {where} is missing")
+    if not isinstance(dataset, h5py.Dataset):
+        raise RunFileError(f"{path}: {where} is a group, not a dataset")
+    if dataset.dtype.kind not in kinds:
+        raise RunFileError(f"{path}: {where} holds {dataset.dtype}, not {_KIND_WORDS[kinds]}")
+    if ndim is not None and dataset.ndim != ndim:
+        raise RunFileError(f"{path}: {where} has shape {dataset.shape}, not {ndim} axes")
+    return dataset
+
+
+_KIND_WORDS = {
+    "iu": "integers",
+    "f": "floats",
+    "S": "text",
+    "biuf": "real numbers",
+    "iuf": "numbers",
+}
+#: The dtype kinds of the status fields.
+_STATUS_KINDS = {
+    names.STATUS_STATE: "S",
+    names.STATUS_EXCEPTION: "S",
+    names.STATUS_LAST_STEP: "iu",
+    names.STATUS_WALL_TIME: "f",
+    names.STATUS_STARTED: "f",
+    names.STATUS_UPDATED: "f",
+    names.STATUS_PID: "iu",
+    names.STATUS_HOST: "S",
+}
+
+
+def _declared_group(path: Path, group: str, members: Any, size: int | None) -> dict[str, _Declared]:
+    """What a series group declares, its structure checked: a step index of integers and
+    series of one row per step, shaped as their probe records them."""
+    if not isinstance(members, h5py.Group):
+        raise RunFileError(f"{path}: {SERIES}/{group} is a dataset, not a group of series")
+    _checked(members, STEP, path, "iu", ndim=1)
+    declared = {}
+    for name in members:
+        if name == STEP:
+            continue
+        dataset = _checked(members, name, path, "biuf")
+        where = f"{SERIES}/{group}/{name}"
+        if dataset.ndim == 0:
+            raise RunFileError(f"{path}: {where} is a scalar, not one row per step")
+        snapshot = (group, name) == (names.SNAPSHOTS, names.SNAPSHOT_THETA)
+        if snapshot and (dataset.ndim != 2 or size not in (None, dataset.shape[1])):
+            raise RunFileError(
+                f"{path}: {where} has shape {dataset.shape}, not one row of the layout's "
+                f"{size} parameters per step"
+            )
+        encoding = dataset.attrs.get(names.ATTR_ENCODING)
+        if encoding is not None and (encoding != BFLOAT16 or dataset.dtype != np.uint16):
+            raise RunFileError(f"{path}: {where} has the unknown encoding {encoding!r}")
+        declared[name] = _declared(dataset, path, where)
+    return declared
+
+
+def _check_drawable(path: Path, declared: dict[str, dict[str, _Declared]]) -> None:
+    """Each drawn series has the rows its view draws: a number (scalar) or a vector."""
+    for group, series in declared.items():
+        for name, d in series.items():
+            axes = None if d.view is None else (0 if d.view.kind == "scalar" else 1)
+            if axes is not None and len(d.shape) != axes:
+                raise RunFileError(
+                    f"{path}: {SERIES}/{group}/{name} has rows of shape {d.shape}, but its "
+                    f"{d.view.kind} view draws rows of {'one number' if axes == 0 else 'one axis'}"
+                )
+
+
+def _vector_shape(path: Path, name: str, dataset: Any, size: int | None) -> tuple[int, ...]:
+    where = f"{VECTORS}/{name}"
+    if not isinstance(dataset, h5py.Dataset):
+        raise RunFileError(f"{path}: {where} is a group, not a vector")
+    if dataset.dtype.kind not in "biuf":
+        raise RunFileError(f"{path}: {where} holds {dataset.dtype}, not real numbers")
+    if name in PARAMETER_VECTORS and size is not None and dataset.shape != (size,):
+        raise RunFileError(
+            f"{path}: {where} has shape {dataset.shape}, the parameter layout ({size},)"
+        )
+    if name == names.THETA_FINAL_STEP and dataset.shape != (1,):
+        raise RunFileError(f"{path}: {where} has shape {dataset.shape}, not (1,)")
+    return dataset.shape
+
+
+def _unwritten(file: h5py.File, name: str, value: np.ndarray) -> bool:
+    """Whether a vector (or its leading entries ``value``) was declared but never written:
+    NaN throughout. θT is written with its step, so a NaN θT whose step is stored is damage.
+    """
+    if value.dtype.kind not in "fc" or not value.size or not np.isnan(value).all():
+        return False
+    if name == names.THETA_FINAL and names.THETA_FINAL_STEP in file[VECTORS]:
+        step = file[VECTORS][names.THETA_FINAL_STEP][...]
+        if step.dtype.kind in "fc" and not np.isnan(step).all():
+            raise RunFileError(
+                f"{file.filename}: {VECTORS}/{name} is unwritten (NaN) though its step is stored"
+            )
+    return True
 
 
 def _open(path: Path) -> h5py.File:
@@ -605,16 +814,29 @@ def _values(dataset: h5py.Dataset) -> np.ndarray:
     return dataset[:]
 
 
-def _declared(dataset: h5py.Dataset) -> _Declared:
-    _ = dataset.dtype
+def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
     attrs = dataset.attrs
-    columns = attrs.get(names.ATTR_COLUMNS)
-    view = attrs.get(names.ATTR_VIEW)
-    return _Declared(
-        dataset.shape[1:],
-        None if columns is None else tuple(decode_attr(columns)),
-        None if view is None else View.from_dict(decode_attr(view)),
-    )
+    columns, view = attrs.get(names.ATTR_COLUMNS), attrs.get(names.ATTR_VIEW)
+    try:
+        columns = None if columns is None else decode_attr(columns)
+        view = None if view is None else decode_attr(view)
+    except ValueError:
+        raise RunFileError(f"{path}: {where} has an attribute that is not valid JSON") from None
+    if columns is not None:
+        if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+            raise RunFileError(f"{path}: {where} has the columns {columns!r}, not a list of names")
+        if dataset.ndim < 2 or len(columns) != dataset.shape[-1]:
+            raise RunFileError(
+                f"{path}: {where} names {len(columns)} columns, but its rows have shape "
+                f"{dataset.shape[1:]}"
+            )
+    if view is not None:
+        try:
+            view = View.from_dict(view)
+        except (ValueError, TypeError, AttributeError) as error:
+            reason = str(error).splitlines()[0]
+            raise RunFileError(f"{path}: {where} has a view that is not one: {reason}") from None
+    return _Declared(dataset.shape[1:], None if columns is None else tuple(columns), view)
 
 
 def _read_rows(group: h5py.Group) -> tuple[np.ndarray, dict[str, np.ndarray]]:

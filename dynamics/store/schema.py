@@ -39,6 +39,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dynamics.errors import DynamicsError
 from dynamics.store import names
 
@@ -118,6 +120,82 @@ class SeriesSpec:
 
 class RunFileError(DynamicsError):
     """A file that cannot be used as a run file; the message is one line for the user."""
+
+
+#: The type each root attribute decodes to, when present (structured ones are JSON text).
+ATTR_TYPES: dict[str, type] = {
+    names.ATTR_RUN_NAME: str,
+    names.ATTR_CONFIG: dict,
+    names.ATTR_VERSIONS: dict,
+    names.ATTR_LAYOUT: dict,
+    names.ATTR_BUFFERS: dict,
+    names.ATTR_THETA0_SHA256: str,
+    names.ATTR_MODULE: dict,
+    names.ATTR_PROBES: list,
+    names.ATTR_SUBMODULES: dict,
+    names.ATTR_OPTIMIZERS: list,
+    names.ATTR_SCHEDULERS: list,
+    names.ATTR_PRECISION: str,
+    names.ATTR_DATA: dict,
+}
+#: Vectors of one entry per parameter: flat, of the layout's size.
+PARAMETER_VECTORS = (names.THETA0, names.THETA_FINAL, names.G0, names.PLANE_U, names.PLANE_V)
+
+
+def check_attrs(attrs: dict[str, Any]) -> None:
+    """Check the decoded root attributes a reader relies on.
+
+    Raises:
+        ValueError: one line saying which attribute is wrong and how.
+    """
+    version = attrs.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"schema_version is {version!r}, not an integer")
+    if version < 1:
+        raise ValueError(f"schema_version is {version}, not a version (versions start at 1)")
+    for name, kind in ATTR_TYPES.items():
+        # None is stored as the JSON text "null": not recorded.
+        if attrs.get(name, "null") != "null" and not isinstance(attrs[name], kind):
+            raise ValueError(
+                f"attribute {name!r} is {_kind(attrs[name])}, not {_KINDS[kind]}: "
+                f"{str(attrs[name])[:60]!r}"
+            )
+    for name, keys in ((names.ATTR_LAYOUT, 2), (names.ATTR_BUFFERS, 3)):
+        if isinstance(attrs.get(name), dict):
+            _check_layout(name, attrs[name], keys)
+    probes = attrs.get(names.ATTR_PROBES)
+    for probe in probes if isinstance(probes, list) else ():
+        if not isinstance(probe, dict) or not isinstance(probe.get("settings", {}), dict):
+            raise ValueError(f"attribute 'probes' holds {str(probe)[:60]!r}, not a probe's record")
+
+
+def layout_size(layout: dict[str, Any]) -> int:
+    """The number of entries of a (checked) layout's flat vector."""
+    return sum(int(np.prod(shape)) for shape in layout["shapes"])
+
+
+def _check_layout(name: str, layout: dict[str, Any], keys: int) -> None:
+    """A parameter layout (names, shapes) or buffer layout (names, shapes, dtypes)."""
+    fields = ("names", "shapes", "dtypes")[:keys]
+    lists = [layout.get(field) for field in fields]
+    missing = [f for f, value in zip(fields, lists) if not isinstance(value, list)]
+    if missing:
+        raise ValueError(f"attribute {name!r} has no list of {missing[0]}")
+    if len({len(value) for value in lists}) != 1:
+        raise ValueError(f"attribute {name!r} has {' and '.join(fields)} of different lengths")
+    for shape in layout["shapes"]:
+        valid = isinstance(shape, list) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+        )
+        if not valid:
+            raise ValueError(f"attribute {name!r} has the shape {shape!r}, not a list of sizes")
+
+
+_KINDS = {str: "text", dict: "a JSON object", list: "a JSON list"}
+
+
+def _kind(value: Any) -> str:
+    return _KINDS.get(type(value), type(value).__name__)
 
 
 def encode_attr(value: Any) -> Any:

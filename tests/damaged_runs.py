@@ -1,0 +1,243 @@
+"""A corpus of damaged run files, made from one real run by mutating it with h5py.
+
+Each mutation takes the path of a copy of the real run and damages it in place (or replaces it
+with something that is not a run file at all). :data:`MUTATIONS` names them; the tests run every
+one through every command and the public API that read run files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+Mutation = Callable[[Path], None]
+
+
+def _edit(path: Path, change: Callable[[h5py.File], None]) -> None:
+    with h5py.File(path, "r+") as file:
+        change(file)
+
+
+def _replace(path: Path, name: str, data: object, **attrs: object) -> Mutation:
+    """Replace the dataset ``name`` of the file by ``data`` (keeping none of its attributes
+    unless given)."""
+
+    def change(file: h5py.File) -> None:
+        del file[name]
+        file[name] = data
+        file[name].attrs.update(attrs)
+
+    _edit(path, change)
+
+
+def _set_attr(name: str, value: object, dataset: str = "/") -> Mutation:
+    return lambda path: _edit(path, lambda f: f[dataset].attrs.__setitem__(name, value))
+
+
+def _del(name: str) -> Mutation:
+    return lambda path: _edit(path, lambda f: f.__delitem__(name))
+
+
+def _del_attr(name: str, dataset: str = "/") -> Mutation:
+    return lambda path: _edit(path, lambda f: f[dataset].attrs.__delitem__(name))
+
+
+def _vector(name: str, make: Callable[[np.ndarray], object]) -> Mutation:
+    """Replace a stored dataset by ``make(its values)``."""
+
+    def mutate(path: Path) -> None:
+        with h5py.File(path, "r") as file:
+            values = file[name][()]
+        _replace(path, name, make(values))
+
+    return mutate
+
+
+def _series(name: str, make: Callable[[np.ndarray], object]) -> Mutation:
+    """Replace a series dataset, keeping its attributes."""
+
+    def mutate(path: Path) -> None:
+        with h5py.File(path, "r") as file:
+            values = file[name][()]
+            attrs = dict(file[name].attrs)
+        _replace(path, name, make(values), **attrs)
+
+    return mutate
+
+
+def _truncate(fraction: float) -> Mutation:
+    def mutate(path: Path) -> None:
+        data = path.read_bytes()
+        path.write_bytes(data[: int(len(data) * fraction)])
+
+    return mutate
+
+
+def _bytes(data: bytes) -> Mutation:
+    return lambda path: path.write_bytes(data)
+
+
+def _directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _directory_of_runs(path: Path) -> None:
+    original = path.read_bytes()
+    path.unlink()
+    path.mkdir()
+    (path / "inside.h5").write_bytes(original)
+
+
+def _other_hdf5(path: Path) -> None:
+    path.unlink()
+    with h5py.File(path, "w") as file:
+        file["x"] = np.arange(3)
+
+
+def _layout(change: Callable[[dict], object]) -> Mutation:
+    def mutate(path: Path) -> None:
+        with h5py.File(path, "r+") as file:
+            layout = json.loads(file.attrs["layout"])
+            file.attrs["layout"] = json.dumps(change(layout))
+
+    return mutate
+
+
+def _without(key: str) -> Callable[[dict], dict]:
+    return lambda d: {k: v for k, v in d.items() if k != key}
+
+
+def _running_status(path: Path) -> None:
+    """A file whose writer was killed before θT: status running, θT unfilled (NaN)."""
+
+    def change(file: h5py.File) -> None:
+        file["status/state"][()] = b"running"
+        file["status/pid"][()] = 2**22 + 1  # no such process
+        file["vectors/theta_final"][...] = np.nan
+        file["vectors/theta_final_step"][...] = np.nan
+
+    _edit(path, change)
+
+
+NAN, INF = np.nan, np.inf
+S = "series/"
+V = "vectors/"
+
+#: ``{name: mutation}``; names say what is wrong with the file.
+MUTATIONS: dict[str, Mutation] = {
+    # not a run file at all
+    "empty": _bytes(b""),
+    "random_bytes": _bytes(np.random.default_rng(0).bytes(4096)),
+    "text_file": _bytes(b"step,loss\n0,1.0\n"),
+    "directory": _directory,
+    "directory_of_runs": _directory_of_runs,
+    "other_hdf5": _other_hdf5,
+    **{f"truncated_{int(f * 100)}": _truncate(f) for f in (0.02, 0.3, 0.6, 0.9, 0.99)},
+    # root attributes
+    "schema_deleted": _del_attr("schema"),
+    "schema_wrong": _set_attr("schema", "other"),
+    "schema_version_string": _set_attr("schema_version", "1"),
+    "schema_version_negative": _set_attr("schema_version", -1),
+    "schema_version_zero": _set_attr("schema_version", 0),
+    "schema_version_newer": _set_attr("schema_version", 99),
+    "schema_version_float": _set_attr("schema_version", 1.5),
+    "schema_version_deleted": _del_attr("schema_version"),
+    "config_list": _set_attr("config", "[1, 2]"),
+    "config_not_json": _set_attr("config", "{not json"),
+    "config_number": _set_attr("config", 3),
+    "layout_not_json": _set_attr("layout", "{oops"),
+    "layout_list": _set_attr("layout", "[1]"),
+    "layout_without_shapes": _layout(_without("shapes")),
+    "layout_without_names": _layout(_without("names")),
+    "layout_shapes_not_lists": _layout(lambda d: {**d, "shapes": [3] * len(d["shapes"])}),
+    "layout_negative_shape": _layout(lambda d: {**d, "shapes": [[-1]] * len(d["shapes"])}),
+    "layout_short": _layout(lambda d: {**d, "shapes": d["shapes"][:-1]}),
+    "buffers_not_json": _set_attr("buffers", "{x"),
+    "probes_not_json": _set_attr("probes", "[x"),
+    "probes_dict": _set_attr("probes", '{"a": 1}'),
+    "probes_strings": _set_attr("probes", '["a", "b"]'),
+    "module_list": _set_attr("module", "[1]"),
+    "theta0_sha_number": _set_attr("theta0_sha256", 3),
+    # series structure
+    "series_not_group": lambda p: _replace(p, "series", np.arange(3)),
+    "group_is_dataset": lambda p: _replace(p, S + "loss", np.arange(3)),
+    "step_deleted": _del(S + "loss/step"),
+    "step_2d": _series(S + "loss/step", lambda v: np.stack([v, v], axis=1)),
+    "step_scalar": _series(S + "loss/step", lambda v: v[0]),
+    "step_strings": _series(S + "loss/step", lambda v: v.astype(str).astype("S")),
+    "step_float_nan": _series(S + "loss/step", lambda v: np.where(v > 2, np.nan, v)),
+    "step_decreasing": _series(S + "loss/step", lambda v: v[::-1].copy()),
+    "step_is_group": lambda p: _edit(
+        p, lambda f: (f.__delitem__(S + "loss/step"), f.create_group(S + "loss/step"))
+    ),
+    "series_scalar": _series(S + "loss/train", lambda v: v[0]),
+    "series_strings": _series(S + "loss/train", lambda v: v.astype(str).astype("S")),
+    "series_complex": _series(S + "loss/train", lambda v: v.astype(np.complex64)),
+    "series_short": _series(S + "loss/train", lambda v: v[:2]),
+    "series_named_step_group": lambda p: _edit(p, lambda f: f.create_group(S + "loss/sub")),
+    "norm_1d": _series(S + "hidden_norms/norm", lambda v: v[:, 0]),
+    "norm_nan": _series(S + "hidden_norms/norm", lambda v: np.full_like(v, np.nan)),
+    "norm_inf": _series(S + "hidden_norms/norm", lambda v: np.full_like(v, np.inf)),
+    "norm_3d": _series(S + "hidden_norms/norm", lambda v: v[:, :, None]),
+    "columns_not_json": _set_attr("columns", "[oops", S + "hidden_norms/norm"),
+    "columns_wrong_length": _set_attr("columns", '["a"]', S + "hidden_norms/norm"),
+    "columns_number": _set_attr("columns", 7, S + "hidden_norms/norm"),
+    "view_not_json": _set_attr("view", "{oops", S + "loss/train"),
+    "view_bad_kind": _set_attr("view", '{"kind": "pie", "title": "x"}', S + "loss/train"),
+    "view_list": _set_attr("view", "[1]", S + "loss/train"),
+    "encoding_unknown": _set_attr("encoding", "float8", S + "loss/train"),
+    "snapshots_nan": _series(S + "snapshots/theta", lambda v: np.full_like(v, np.nan)),
+    "snapshots_short_rows": _series(S + "snapshots/theta", lambda v: v[:, :-1]),
+    "snapshots_1d": _series(S + "snapshots/theta", lambda v: v[:, 0]),
+    "plane_complex": _series(S + "plane/a", lambda v: v.astype(np.complex128)),
+    # vectors
+    "vectors_not_group": lambda p: _replace(p, "vectors", np.arange(3)),
+    "theta0_deleted": _del(V + "theta0"),
+    "theta0_zero": _vector(V + "theta0", np.zeros_like),
+    "theta0_inf": _vector(V + "theta0", lambda v: np.full_like(v, np.inf)),
+    "theta0_nan": _vector(V + "theta0", lambda v: np.full_like(v, np.nan)),
+    "theta0_some_nan": _vector(V + "theta0", lambda v: np.where(np.arange(len(v)) % 2, np.nan, v)),
+    "theta0_short": _vector(V + "theta0", lambda v: v[:-3]),
+    "theta0_2d": _vector(V + "theta0", lambda v: v[None, :]),
+    "theta0_scalar": _vector(V + "theta0", lambda v: v[0]),
+    "theta0_strings": _vector(V + "theta0", lambda v: v.astype(str).astype("S")),
+    "theta0_complex": _vector(V + "theta0", lambda v: v.astype(np.complex64)),
+    "g0_zero": _vector(V + "g0", np.zeros_like),
+    "g0_inf": _vector(V + "g0", lambda v: np.full_like(v, np.inf)),
+    "g0_short": _vector(V + "g0", lambda v: v[:-3]),
+    "g0_nan": _vector(V + "g0", lambda v: np.full_like(v, np.nan)),
+    "theta_final_nan": _vector(V + "theta_final", lambda v: np.full_like(v, np.nan)),
+    "theta_final_short": _vector(V + "theta_final", lambda v: v[:-1]),
+    "theta_final_step_nan": _vector(V + "theta_final_step", lambda v: np.array([np.nan])),
+    "theta_final_step_2": _vector(V + "theta_final_step", lambda v: np.array([1, 2])),
+    "probe_batch_wrong_shape": _vector(V + "probe_batch.0", lambda v: v[:, :-1]),
+    "probe_batch_deleted": _del(V + "probe_batch.0"),
+    "plane_u_short": _vector(V + "plane_u", lambda v: v[:-1]),
+    "killed_before_theta_final": _running_status,
+    # events and status
+    "events_step_deleted": _del("events/step"),
+    "events_step_2d": _vector("events/step", lambda v: np.zeros((len(v), 2), dtype=np.int64)),
+    "status_state_deleted": _del("status/state"),
+    "status_pid_string": _vector("status/pid", lambda v: b"abc"),
+    "status_last_step_float": _vector("status/last_step", lambda v: np.float64(np.nan)),
+    "status_wall_time_string": _vector("status/wall_time_s", lambda v: b"soon"),
+}
+
+
+def make_damaged(source: Path, name: str, folder: Path) -> Path:
+    """A copy of ``source`` in ``folder`` damaged by the mutation ``name``, dated an hour ago:
+    a file at rest, which readers do not wait for as they wait for a file being written."""
+    path = folder / f"{name}.h5"
+    shutil.copyfile(source, path)
+    MUTATIONS[name](path)
+    an_hour_ago = time.time() - 3600
+    os.utime(path, (an_hour_ago, an_hour_ago))
+    return path
