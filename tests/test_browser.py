@@ -323,7 +323,7 @@ def test_strings_from_a_file_never_run_as_markup(pages, tmp_path):
     devtools, _, _ = pages
     t = np.arange(20)
     layers = (INJECTED[1], INJECTED[2])
-    view = View("lines", INJECTED[0], INJECTED[1], units=INJECTED[2])
+    view = View("scalar", INJECTED[0], INJECTED[1], units=INJECTED[2])
     specs = {
         "loss": {"train": SeriesSpec()},
         "hidden_norms": {"norm": SeriesSpec((2,), columns=layers)},

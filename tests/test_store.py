@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dynamics import RunFileError, open_run
-from dynamics.store import RunWriter, SeriesSpec
+from dynamics.store import RunWriter, SeriesSpec, View
 from dynamics.store.schema import SCHEMA_VERSION
 
 SERIES = {
@@ -146,3 +146,11 @@ def test_sigkill_loses_at_most_the_unflushed_rows(tmp_path, blocks):
     writer.append("loss", flushed + 1, {"train": np.zeros(64)})
     writer.close()
     assert open_run(path).series("loss").step[-1] == flushed + 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "shape"), [("scalar", (3,)), ("lines", ()), ("panels", (2, 2)), ("heatmap", ())]
+)
+def test_a_series_whose_view_cannot_draw_its_rows_is_refused_where_it_is_declared(kind, shape):
+    with pytest.raises(ValueError, match=f"a {kind} view draws rows of"):
+        SeriesSpec(shape=shape, view=View(kind, "title"))

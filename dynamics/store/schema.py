@@ -117,6 +117,15 @@ class SeriesSpec:
     columns: tuple[str, ...] | None = None
     view: View | None = None
 
+    def __post_init__(self) -> None:
+        # Checked where a probe declares it, so a run never records rows its view cannot draw
+        # (the reader refuses such a file).
+        if self.view is not None and len(self.shape) != (0 if self.view.kind == "scalar" else 1):
+            rows = "one number" if self.view.kind == "scalar" else "one axis"
+            raise ValueError(
+                f"a {self.view.kind} view draws rows of {rows}, not rows of shape {self.shape}"
+            )
+
 
 class RunFileError(DynamicsError):
     """A file that cannot be used as a run file; the message is one line for the user."""
