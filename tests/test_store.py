@@ -154,3 +154,11 @@ def test_sigkill_loses_at_most_the_unflushed_rows(tmp_path, blocks):
 def test_a_series_whose_view_cannot_draw_its_rows_is_refused_where_it_is_declared(kind, shape):
     with pytest.raises(ValueError, match=f"a {kind} view draws rows of"):
         SeriesSpec(shape=shape, view=View(kind, "title"))
+
+
+def test_create_refuses_a_directory_and_a_series_named_step(tmp_path):
+    with pytest.raises(RunFileError, match="is a directory"):
+        RunWriter.create(tmp_path, {"loss": {"train": SeriesSpec()}}, {}, {}, overwrite=True)
+    with pytest.raises(ValueError, match="series named 'step'"):
+        RunWriter.create(tmp_path / "run.h5", {"loss": {"step": SeriesSpec()}}, {}, {})
+    assert list(tmp_path.iterdir()) == []

@@ -164,6 +164,9 @@ class RunWriter:
         """
         path = Path(path)
         cls.check_path(path, overwrite)
+        for group, specs in series.items():
+            if STEP in specs:  # every group's step index has that name
+                raise ValueError(f"series group {group!r} declares a series named {STEP!r}")
         lock = lock or RunLock.acquire(path)
         staging = path.with_name(path.name + ".creating")
         try:
@@ -188,6 +191,8 @@ class RunWriter:
             RunFileError: if ``path`` exists and ``overwrite`` is false, or its folder is missing.
         """
         path = Path(path)
+        if path.is_dir():
+            raise RunFileError(f"{path} is a directory; give the run file's path")
         if path.exists() and not overwrite:
             raise RunFileError(f"{path} exists; pass overwrite=True (or --overwrite) to replace it")
         if not path.parent.is_dir():
