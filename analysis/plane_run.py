@@ -31,6 +31,7 @@ from dynamics.analysis.plane_views import (
 )
 from dynamics.errors import DynamicsError
 from dynamics.landscape import LossSurface
+from dynamics.loss_rule import LossUnavailable, loss_source
 from dynamics.nearest_buffers import NearestBuffers
 from dynamics.rebuild import probe_batch, rebuild_module
 from dynamics.store import Run, names, open_run
@@ -172,6 +173,10 @@ def write_plane(
 
 def _surface(run: Run, model: str | None, init_args: dict | None, trust: bool) -> LossSurface:
     module = rebuild_module(run, model, init_args, trust)
+    try:  # before any pass: a manually optimized module's training_step would train it
+        loss_source(module)
+    except LossUnavailable as error:
+        raise DynamicsError(f"{run.path.name}: {error}") from None
     buffers = NearestBuffers.of_run(run, module)
     surface = LossSurface(module, run.layout, probe_batch(run), buffers=buffers)
     theta0 = run.vector(names.THETA0)  # the plane's checks have asked for it already
