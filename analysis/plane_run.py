@@ -143,11 +143,7 @@ def write_plane(
             surfaces[run.name] = _surface(run, model, init_args, trust_recorded_model)
         except DynamicsError as error:
             if not stored:
-                elsewhere = [r.name for r in runs if names.PLANE_END_STEPS in r.vector_names]
-                hint = (
-                    f"; {', '.join(elsewhere)} stored views on another plane" if elsewhere else ""
-                )
-                raise DynamicsError(f"{error}{hint}") from None
+                raise DynamicsError(f"{error}{_stored_elsewhere(runs, plane, grid_side)}") from None
             remarks.append(f"no heatmaps of {run.name}: {error}")
     job = _Job(
         runs, chosen, surfaces, stored, grid_side, margin, coarse, progress, html, results, remarks
@@ -169,6 +165,22 @@ def write_plane(
             raise DynamicsError(f"plane evaluation failed in a worker: {last}") from None
         notes = json.loads((Path(folder) / "notes.json").read_text())
     return PlaneWritten(html, results, notes, remarks)
+
+
+def _stored_elsewhere(runs: list[Run], plane: str, grid_side: int) -> str:
+    """Where the runs' stored views are, when none is on the plane asked for: on the same
+    plane with the runs swapped (a partner run's g0 is u), or on another plane."""
+    elsewhere = [r.name for r in runs if names.PLANE_END_STEPS in r.vector_names]
+    if not elsewhere:
+        return ""
+    swapped = choose_plane(*reversed(runs), plane, grid_side).plane
+    if any(stored_views(r, swapped) is not None for r in runs):
+        first, second = (r.path for r in reversed(runs))
+        return (
+            f"; {', '.join(elsewhere)} stored views on this plane with the runs in the other "
+            f"order: dynamics plane {first} {second}"
+        )
+    return f"; {', '.join(elsewhere)} stored views on another plane"
 
 
 def _surface(run: Run, model: str | None, init_args: dict | None, trust: bool) -> LossSurface:

@@ -58,7 +58,9 @@ class ManualSGDWithLoss(ManualSGD):
         return self.loss(batch)
 
 
-def record(cls: type[pl.LightningModule], lr: float, path: Path) -> Path:
+def record(
+    cls: type[pl.LightningModule], lr: float, path: Path, plane: GradientPlane | None = None
+) -> Path:
     """Fit ``cls(lr)`` for 3 steps from the seed-0 θ0, recording g0 and the snapshots."""
     pl.seed_everything(0)
     module = cls(lr)
@@ -69,7 +71,7 @@ def record(cls: type[pl.LightningModule], lr: float, path: Path) -> Path:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[DynamicsRecorder(path, [ParameterDisplacement(), GradientPlane()])],
+        callbacks=[DynamicsRecorder(path, [ParameterDisplacement(), plane or GradientPlane()])],
     )
     trainer.fit(module)
     return path
@@ -106,3 +108,37 @@ def test_plane_refuses_a_manually_optimized_model_without_dynamics_loss(tmp_path
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("dynamics: error: a.h5: ManualSGD optimizes manually"), err
     assert not (tmp_path / "p.html").exists()
+
+
+class UnsavedWidth(pl.LightningModule):
+    """No ``save_hyperparameters()``: it cannot be rebuilt offline without ``--init-args``."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    train_dataloader = ManualSGD.train_dataloader
+
+
+def test_plane_names_the_order_in_which_a_partner_runs_stored_views_are_drawn(tmp_path, capsys):
+    # c evaluated its views at the end of fit on the plane (u = g0 of its partner a, v = its
+    # own): `dynamics plane c a` asks for the same plane in another basis, and was told only
+    # that c "stored views on another plane".
+    a = record(UnsavedWidth, 0.1, tmp_path / "a.h5")
+    x, y = next(iter(ManualSGD.train_dataloader(None)))
+    other_batch = (x[:4], y[:4])  # another probe batch: another g0
+    at_end = GradientPlane(partner=a, batch=other_batch, at_end=True, grid=3)
+    c = record(UnsavedWidth, 0.3, tmp_path / "c.h5", at_end)
+    code, err = plane(capsys, c, a, "-o", tmp_path / "p.html")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"in the other order: dynamics plane {a} {c}" in err, err
+    code, err = plane(capsys, a, c, "-o", tmp_path / "p.html")
+    assert code == 0, err
