@@ -31,6 +31,7 @@ from dynamics.analysis.plane_views import (
 )
 from dynamics.errors import DynamicsError
 from dynamics.landscape import LossSurface
+from dynamics.loss_rule import LossUnavailable, loss_source
 from dynamics.nearest_buffers import NearestBuffers
 from dynamics.rebuild import probe_batch, rebuild_module
 from dynamics.store import Run, names, open_run
@@ -142,11 +143,7 @@ def write_plane(
             surfaces[run.name] = _surface(run, model, init_args, trust_recorded_model)
         except DynamicsError as error:
             if not stored:
-                elsewhere = [r.name for r in runs if names.PLANE_END_STEPS in r.vector_names]
-                hint = (
-                    f"; {', '.join(elsewhere)} stored views on another plane" if elsewhere else ""
-                )
-                raise DynamicsError(f"{error}{hint}") from None
+                raise DynamicsError(f"{error}{_stored_elsewhere(runs, plane, grid_side)}") from None
             remarks.append(f"no heatmaps of {run.name}: {error}")
     job = _Job(
         runs, chosen, surfaces, stored, grid_side, margin, coarse, progress, html, results, remarks
@@ -170,8 +167,28 @@ def write_plane(
     return PlaneWritten(html, results, notes, remarks)
 
 
+def _stored_elsewhere(runs: list[Run], plane: str, grid_side: int) -> str:
+    """Where the runs' stored views are, when none is on the plane asked for: on the same
+    plane with the runs swapped (a partner run's g0 is u), or on another plane."""
+    elsewhere = [r.name for r in runs if names.PLANE_END_STEPS in r.vector_names]
+    if not elsewhere:
+        return ""
+    swapped = choose_plane(*reversed(runs), plane, grid_side).plane
+    if any(stored_views(r, swapped) is not None for r in runs):
+        first, second = (r.path for r in reversed(runs))
+        return (
+            f"; {', '.join(elsewhere)} stored views on this plane with the runs in the other "
+            f"order: dynamics plane {first} {second}"
+        )
+    return f"; {', '.join(elsewhere)} stored views on another plane"
+
+
 def _surface(run: Run, model: str | None, init_args: dict | None, trust: bool) -> LossSurface:
     module = rebuild_module(run, model, init_args, trust)
+    try:  # before any pass: a manually optimized module's training_step would train it
+        loss_source(module)
+    except LossUnavailable as error:
+        raise DynamicsError(f"{run.path.name}: {error}") from None
     buffers = NearestBuffers.of_run(run, module)
     surface = LossSurface(module, run.layout, probe_batch(run), buffers=buffers)
     theta0 = run.vector(names.THETA0)  # the plane's checks have asked for it already

@@ -45,6 +45,7 @@ from dynamics.plane import (
     plane_from_gradients,
     random_filter_normalized_plane,
 )
+from dynamics.rebuild import missing_plane_data
 from dynamics.store import Run, names
 
 #: The planes ``dynamics plane --plane`` offers; ``auto`` is ``gradients`` unless they coincide.
@@ -126,7 +127,7 @@ def choose_plane(
     endpoints = [checkpoints[r.name][1][-1] for r in runs]
     try:  # the runs' own vectors, so a degenerate plane is the user's input
         if kind in ("auto", "gradients"):
-            gradients = [_vector(r, names.G0, "initial gradient g0") for r in runs]
+            gradients = [_g0(r) for r in runs]
             try:
                 plane = plane_from_gradients(theta0, *gradients)
                 return ChosenPlane(
@@ -146,7 +147,7 @@ def choose_plane(
             )
             return ChosenPlane(plane, reason, checkpoints)
         if kind == "gradient-endpoints":
-            g = _vector(run_a, names.G0, "initial gradient g0")
+            g = _g0(run_a)
             plane = plane_from_gradient_and_endpoints(theta0, g, *endpoints)
             reason = f"the plane of {run_a.name}'s initial gradient and θT_b − θT_a (asked)"
         elif kind == "pca":
@@ -454,6 +455,13 @@ def _check_comparable(runs: list[Run]) -> np.ndarray:
     if first.layout != second.layout:
         raise DynamicsError(f"{first.path.name} and {second.path.name} differ in parameter layout")
     return _vector(first, names.THETA0, "θ0").astype(np.float64)
+
+
+def _g0(run: Run) -> np.ndarray:
+    g0 = run.vector(names.G0)
+    if g0 is None:
+        raise missing_plane_data(run, "initial gradient g0")
+    return g0
 
 
 def _vector(run: Run, name: str, what: str) -> np.ndarray:

@@ -145,7 +145,7 @@ def probe_batch(run: Run) -> Any:
         None,
     )
     if any(leaf is None for leaf in leaves) or not (leaves or structure):
-        raise DynamicsError(f"{run.path.name}: no probe batch stored (record with GradientPlane)")
+        raise missing_plane_data(run, "probe batch")
     tensors = [torch.from_numpy(leaf) for leaf in leaves]
     if structure is None:
         return tuple(tensors) if len(tensors) > 1 else tensors[0]
@@ -153,6 +153,21 @@ def probe_batch(run: Run) -> Any:
         return unflatten_batch(structure, tensors)
     except ValueError as error:
         raise DynamicsError(f"{run.path.name}: {error}") from None
+
+
+def missing_plane_data(run: Run, what: str) -> DynamicsError:
+    """The error for a run that stores no ``what`` (g0, the probe batch) of ``GradientPlane``:
+    why the probe stepped aside when it recorded that (e.g. a manually optimized module
+    without ``dynamics_loss``), else that it was not attached."""
+    why = next(
+        (
+            f"GradientPlane stepped aside at step {event.step}: {event.message}"
+            for event in run.events()
+            if event.probe == names.PLANE and event.kind in ("disabled", "error")
+        ),
+        "record with GradientPlane",
+    )
+    return DynamicsError(f"{run.path.name}: no {what} stored ({why})")
 
 
 def _load_theta0(run: Run, module: nn.Module, args: Mapping[str, Any]) -> None:

@@ -188,7 +188,9 @@ def test_plane_command_draws_views_evaluated_in_training_without_the_model(
     )
     one_line_error(swapped)  # u from b's g0: not the plane b evaluated in training
     assert "outside the installed packages" in swapped.stderr
-    assert "b stored views on another plane" in swapped.stderr
+    # The same plane in another basis (u from a's g0): the refusal names the order that draws it.
+    order = f"in the other order: dynamics plane {folder / 'a.h5'} {folder / 'b.h5'}"
+    assert f"b stored views on this plane with the runs {order}" in swapped.stderr
 
 
 # ---------------------------------------------------------------------------------------------
