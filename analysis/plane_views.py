@@ -135,7 +135,9 @@ def choose_plane(
                 )
             except CollinearGradients as error:
                 if kind == "gradients":
-                    raise
+                    raise DynamicsError(
+                        f"{error}; --plane gradient-endpoints, pca or random still compare them"
+                    ) from None
                 collinear = error
             try:
                 plane = plane_from_gradient_and_endpoints(theta0, gradients[0], *endpoints)

@@ -223,7 +223,7 @@ def test_coinciding_gradients_fall_back_to_the_gradient_endpoint_plane(
     one_line_error(
         refused := dynamics("plane", slow, fast, "-o", tmp_path / "g.html", "--plane", "gradients")
     )
-    assert "collinear" in refused.stderr
+    assert "collinear" in refused.stderr and "--plane gradient-endpoints" in refused.stderr
     out = tmp_path / "auto.html"
     result = dynamics("plane", slow, fast, "-o", out, "--grid", "3", "--no-progress")
     assert result.returncode == 0, result.stderr
