@@ -1,0 +1,1 @@
+"""Bias tools for any PyTorch model: activation shifting, bias audit, bias initialization."""
