@@ -8,6 +8,7 @@ from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.gradient_plane import GradientPlane
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
+from dynamics.callbacks.init_biases import InitBiases
 from dynamics.callbacks.logged_metrics import LoggedMetrics
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, SeriesSpec
@@ -19,6 +20,7 @@ __all__ = [
     "GradientPlane",
     "HessianSpectrum",
     "HiddenStateNorms",
+    "InitBiases",
     "LoggedMetrics",
     "ParameterDisplacement",
     "Probe",

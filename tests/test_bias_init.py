@@ -4,11 +4,17 @@ import math
 
 import pytest
 import torch
+import yaml
+from pytorch_lightning.cli import LightningCLI
 from torch import nn
 
+from dynamics import open_run
 from dynamics.bias import BiasSet, init_biases
 from dynamics.bias.init import constant, log_odds, lstm_forget_gate, mean_target, normal, zeros
+from dynamics.callbacks import InitBiases
 from dynamics.errors import DynamicsError
+from dynamics.experiments import TeacherStudentModule
+from dynamics.params import parameter_vector, vector_hash
 
 
 def mlp(outputs: int = 3) -> nn.Sequential:
@@ -169,3 +175,48 @@ def test_init_biases_by_name() -> None:
 def test_bad_input_one_clear_error(call, message: str) -> None:
     with pytest.raises(DynamicsError, match=message):
         call()
+
+
+def test_init_biases_callback_from_lightning_cli_yaml_before_theta0(tmp_path, monkeypatch) -> None:
+    # The recipe callback is listed after the recorder: setup still precedes the recorded θ0
+    config = {
+        "trainer": {
+            "max_steps": 2,
+            "accelerator": "cpu",
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "callbacks": [
+                {
+                    "class_path": "dynamics.callbacks.DynamicsRecorder",
+                    "init_args": {"path": "run.h5", "probes": []},
+                },
+                {
+                    "class_path": "dynamics.callbacks.InitBiases",
+                    "init_args": {"recipe": "constant", "options": {"value": 0.25}},
+                },
+            ],
+        },
+        "model": {
+            "class_path": "dynamics.experiments.TeacherStudentModule",
+            "init_args": {"width": 4, "expansion": 2, "depth": 1},
+        },
+        "data": {
+            "class_path": "dynamics.experiments.TeacherStudentData",
+            "init_args": {"width": 4, "expansion": 2, "depth": 1, "batch_size": 4},
+        },
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    cli = LightningCLI(args=["fit", "--config", "config.yaml"], save_config_callback=None)
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, InitBiases)]
+    assert callback.table and all(row.value == "constant 0.25" for row in callback.table)
+    expected = TeacherStudentModule(width=4, expansion=2, depth=1)
+    constant(expected, 0.25)
+    assert open_run(tmp_path / "run.h5").theta0_sha256 == vector_hash(parameter_vector(expected))
+
+
+def test_init_biases_callback_refuses_an_unknown_recipe() -> None:
+    with pytest.raises(DynamicsError, match="unknown bias recipe 'ones'"):
+        InitBiases("ones")
