@@ -39,12 +39,17 @@ def _bias_parameters(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
 
 
 def zeros(model: nn.Module) -> list[BiasSet]:
-    """Set every bias to 0, the standard practice."""
+    """Set every bias parameter to 0, the standard practice.
+
+    Every parameter named ``bias`` or ``bias_*``: linear, convolution, normalization and
+    recurrent layers alike.
+    """
     return constant(model, 0.0)
 
 
 def constant(model: nn.Module, value: float = 0.01) -> list[BiasSet]:
-    """Set every bias to ``value``; a small positive one (0.01) keeps ReLU units active at first."""
+    """Set every bias parameter (as in :func:`zeros`) to ``value``; a small positive one (0.01)
+    keeps ReLU units active at first."""
     table = []
     with torch.no_grad():
         for module_name, name, parameter in _bias_parameters(model):
@@ -61,7 +66,7 @@ def normal(
     seed: int = 0,
     generator: torch.Generator | None = None,
 ) -> list[BiasSet]:
-    """Draw every bias from N(mean, std²), reproducibly.
+    """Draw every bias parameter (as in :func:`zeros`) from N(mean, std²), reproducibly.
 
     The draws come from ``generator`` (a CPU generator), else from a new one seeded with ``seed``;
     the global random state is left alone.
@@ -81,17 +86,17 @@ def normal(
 def _output_layer(model: nn.Module, layer: str | None) -> tuple[str, nn.Linear]:
     """The named ``nn.Linear``, else the last one in module order; it must have a bias."""
     if layer is not None:
-        modules = dict(model.named_modules())
-        if layer not in modules:
+        head = dict(model.named_modules()).get(layer)
+        if head is None:
             raise DynamicsError(f"{type(model).__name__} has no module named {layer!r}")
-        found = [(layer, modules[layer])]
-        if not isinstance(found[0][1], nn.Linear):
-            raise DynamicsError(f"{layer!r} is a {type(found[0][1]).__name__}, not an nn.Linear")
+        if not isinstance(head, nn.Linear):
+            raise DynamicsError(f"{layer!r} is a {type(head).__name__}, not an nn.Linear")
+        name = layer
     else:
-        found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        if not found:
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        if not linears:
             raise DynamicsError(f"{type(model).__name__} has no nn.Linear output layer")
-    name, head = found[-1]
+        name, head = linears[-1]
     if head.bias is None:
         raise DynamicsError(f"the output layer {name!r} has no bias (bias=False)")
     return name, head
