@@ -24,6 +24,8 @@ PARAMETRISED = [
     nn.ELU(alpha=0.5),
     nn.LeakyReLU(negative_slope=0.2),
     nn.Softplus(beta=2.0, threshold=20.0),
+    nn.Softplus(beta=1.0, threshold=1.0),  # the switch to z at 1 is a jump of 0.31
+    nn.Softplus(beta=2.0, threshold=3.0),
 ]
 
 
@@ -35,10 +37,12 @@ def test_quadrature_matches_numerical_integration(phi: nn.Module) -> None:
         value = phi(torch.tensor([z], dtype=torch.float64)).item()
         return value * math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
 
-    # Split at the kink (0) so quad sees two smooth pieces.
+    # Split at the kink (0) and at Softplus's switch so quad sees smooth pieces only.
+    cuts = [0.0, *([phi.threshold / phi.beta] if isinstance(phi, nn.Softplus) else [])]
+    bounds = [-math.inf, *cuts, math.inf]
     reference = sum(
         integrate.quad(integrand, a, b, epsabs=1e-14, epsrel=1e-13, limit=200)[0]
-        for a, b in ((-math.inf, 0.0), (0.0, math.inf))
+        for a, b in zip(bounds, bounds[1:], strict=False)
     )
     assert expected_value(phi) == pytest.approx(reference, abs=1e-9)
 
