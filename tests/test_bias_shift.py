@@ -123,6 +123,11 @@ def test_expected_shift_centres_every_activation_and_keeps_theta0() -> None:
         assert abs(module(z).mean().item()) < 1e-3
         assert abs(module.phi(z).mean().item() - row.c) < 1e-3  # the mean did depend on c
     assert table[0].c == pytest.approx(1 / math.sqrt(2 * math.pi), abs=1e-12)
+    # A second call leaves the shifted modules (and the φ inside them) alone.
+    again = shift_activations(model, 0.5)
+    assert [(r.module, r.replaced, r.c, r.note) for r in again] == [
+        (r.module, False, r.c, "already shifted") for r in table
+    ]
 
 
 def test_adaptive_shift_is_zero_across_the_channel_dim() -> None:

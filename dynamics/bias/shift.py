@@ -149,11 +149,16 @@ def shift_activations(
     if unmatched:
         raise DynamicsError(f"shift_activations: pattern(s) {unmatched} match no module")
     table = ShiftTable()
+    shifted_before = [n for n, m in named.items() if isinstance(m, ShiftedActivation)]
     for name, module in named.items():
+        if name in shifted_before:
+            note = "already shifted"
+            table.append(ShiftRow(name, repr(module), False, module.shift, module.constant, note))
+            continue
         phi = next((f for p, f in custom.items() if glob_any(name, [p])), None)
-        if isinstance(module, ShiftedActivation) or not (
-            phi is not None or isinstance(module, ACTIVATION_MODULES)
-        ):
+        # φ inside a ShiftedActivation is its child: shifting it again would subtract twice.
+        inside = any(name.startswith(f"{n}.") for n in shifted_before)
+        if inside or not (phi is not None or isinstance(module, ACTIVATION_MODULES)):
             continue
         if (include and not glob_any(name, include)) or glob_any(name, exclude):
             table.append(ShiftRow(name, repr(module), False, None, None, "excluded by pattern"))
