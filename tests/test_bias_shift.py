@@ -182,6 +182,16 @@ def test_functional_call_listed_with_its_module_path_and_state_restored() -> Non
     ]
 
 
+def test_shared_activation_module_is_shifted_at_every_path() -> None:
+    act = nn.Tanh()
+    model = nn.Sequential(nn.Linear(2, 2), act, nn.Linear(2, 2), act)
+    table = shift_activations(model, 0.5)
+    assert [r.module for r in table] == ["1", "3"]
+    x = torch.randn(3, 2)
+    assert torch.equal(model[1](x), torch.tanh(x) - 0.5)
+    assert torch.equal(model[3](x), torch.tanh(x) - 0.5)
+
+
 def test_custom_module_with_declared_phi() -> None:
     class Square(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

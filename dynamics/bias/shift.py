@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from dynamics.activations import ShiftedActivation
 from dynamics.errors import DynamicsError
 from dynamics.isolation import side_effect_free
-from dynamics.name_globs import glob_any, matched
+from dynamics.name_globs import glob_any, glob_match, matched
 
 #: Activation modules replaced without being named.
 ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
@@ -144,7 +144,8 @@ def shift_activations(
     if isinstance(shift, str) and shift not in ("expected", "adaptive"):
         raise DynamicsError(f"shift must be 'expected', 'adaptive' or a number, got {shift!r}")
     custom = dict(custom or {})
-    named = dict(model.named_modules())
+    # Every path, so an activation module shared by several parents is shifted at each.
+    named = dict(model.named_modules(remove_duplicate=False))
     unmatched = [p for p in (*include, *exclude, *custom) if not matched(p, named)]
     if unmatched:
         raise DynamicsError(f"shift_activations: pattern(s) {unmatched} match no module")
@@ -155,7 +156,7 @@ def shift_activations(
             note = "already shifted"
             table.append(ShiftRow(name, repr(module), False, module.shift, module.constant, note))
             continue
-        phi = next((f for p, f in custom.items() if glob_any(name, [p])), None)
+        phi = next((f for p, f in custom.items() if glob_match(name, p)), None)
         # φ inside a ShiftedActivation is its child: shifting it again would subtract twice.
         inside = any(name.startswith(f"{n}.") for n in shifted_before)
         if inside or not (phi is not None or isinstance(module, ACTIVATION_MODULES)):
@@ -198,10 +199,9 @@ def _functional_calls(
 
     class Recorder(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            inside = any(
+            if func in _FUNCTIONAL and not any(
                 isinstance(model.get_submodule(p), wrappers) or glob_any(p, custom) for p in path
-            )
-            if func in _FUNCTIONAL and not inside:
+            ):
                 calls[(path[-1] if path else "", _FUNCTIONAL[func])] = None
             return func(*args, **(kwargs or {}))
 
