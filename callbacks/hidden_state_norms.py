@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from typing import Any
 
 import pytorch_lightning as pl
@@ -20,6 +19,7 @@ from torch.nn.modules.conv import _ConvNd
 from dynamics.activations import ACTIVATIONS, ShiftedActivation
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec
 from dynamics.isolation import in_extra_pass
+from dynamics.name_globs import glob_any, glob_match, matched
 from dynamics.store import names
 from dynamics.store.views import standard_view
 
@@ -188,15 +188,15 @@ class HiddenStateNorms(Probe):
             for n, m in named.items()
             if (self.activations and _is_activation(m))
             or isinstance(m, self.activation_types)
-            or _glob_any(n, self.activation_patterns)
+            or glob_any(n, self.activation_patterns)
         )
         unmatched = [
-            *(f"modules pattern {p!r}" for p in self.patterns if not _matched(p, named)),
+            *(f"modules pattern {p!r}" for p in self.patterns if not matched(p, named)),
             *(f"types {t.__name__}" for t in self.types if not _has_instance(named, t)),
             *(
                 f"activation_modules pattern {p!r}"
                 for p in self.activation_patterns
-                if not _matched(p, named)
+                if not matched(p, named)
             ),
             *(
                 f"activation_types {t.__name__}"
@@ -206,7 +206,7 @@ class HiddenStateNorms(Probe):
             *(
                 f"feature_dims pattern {p!r} (no recorded module)"
                 for p in self.feature_dims
-                if not _matched(p, layers)
+                if not matched(p, layers)
             ),
         ]
         if unmatched:
@@ -304,7 +304,7 @@ class HiddenStateNorms(Probe):
         self._armed = False
 
     def _axis(self, name: str, module: nn.Module) -> _Axis:
-        pattern = next((p for p in self.feature_dims if _glob_match(name, p)), None)
+        pattern = next((p for p in self.feature_dims if glob_match(name, p)), None)
         if pattern is not None:
             return _Axis(self.feature_dims[pattern], f"feature_dims[{pattern!r}]")
         if self.feature_dim is not None:
@@ -377,7 +377,7 @@ def _choose_modules(
     callable_ = {n: m for n, m in named.items() if type(m).forward is not nn.Module.forward}
     if patterns or types:
         return tuple(
-            n for n, m in callable_.items() if _glob_any(n, patterns) or isinstance(m, types)
+            n for n, m in callable_.items() if glob_any(n, patterns) or isinstance(m, types)
         )
     stacks = [
         (n, list(m.named_children()))
@@ -398,27 +398,6 @@ def _choose_modules(
     return tuple(
         n for n, m in callable_.items() if "." not in n and not isinstance(m, nn.modules.loss._Loss)
     )
-
-
-def _glob_match(name: str, pattern: str) -> bool:
-    """Whether a dotted module name matches a pattern segment by segment (``**``: any depth)."""
-    parts = name.split(".")
-    # The name prefixes (by segment count) the pattern's segments so far can match.
-    reachable = {0}
-    for glob in pattern.split("."):
-        if glob == "**":
-            reachable = set(range(min(reachable), len(parts) + 1)) if reachable else set()
-        else:
-            reachable = {i + 1 for i in reachable if i < len(parts) and fnmatchcase(parts[i], glob)}
-    return len(parts) in reachable
-
-
-def _glob_any(name: str, patterns: Iterable[str]) -> bool:
-    return any(_glob_match(name, p) for p in patterns)
-
-
-def _matched(pattern: str, names_: Iterable[str]) -> bool:
-    return any(_glob_match(n, pattern) for n in names_)
 
 
 def _has_instance(named: Mapping[str, nn.Module], cls: type[nn.Module]) -> bool:
