@@ -9,8 +9,11 @@ from dynamics.bias.init import RECIPES, BiasSet, init_biases
 from dynamics.errors import DynamicsError
 
 
-class InitBiases(Callback):
+class InitBiasesBase:
     """Apply the ``dynamics.bias.init`` recipe ``recipe`` to the module at fit setup.
+
+    Namespace-free: :class:`InitBiases` is the ``pytorch_lightning`` callback and
+    ``dynamics.callbacks.lightning.InitBiases`` the ``lightning.pytorch`` one.
 
     ``options`` are the recipe's keyword arguments (a dict rather than ``**kwargs``, which
     LightningCLI cannot check against a config).
@@ -33,3 +36,7 @@ class InitBiases(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.table = init_biases(pl_module, self.recipe, **self.options)
+
+
+class InitBiases(InitBiasesBase, Callback):
+    """The bias initialization callback for ``pytorch_lightning``; see :class:`InitBiasesBase`."""

@@ -1,7 +1,8 @@
-"""The recorder for ``lightning.pytorch`` (``import lightning as L``).
+"""The recorder and the bias initialization callback for ``lightning.pytorch`` (``import
+lightning as L``).
 
-Its Trainer and LightningCLI accept only their own namespace's callbacks, so this subclass is a
-``lightning.pytorch`` ``Callback``; probes come from :mod:`dynamics.callbacks` and work under
+Its Trainer and LightningCLI accept only their own namespace's callbacks, so these subclasses are
+``lightning.pytorch`` ``Callback``s; probes come from :mod:`dynamics.callbacks` and work under
 either namespace::
 
     from dynamics.callbacks import HiddenStateNorms, TrainingLoss
@@ -13,6 +14,7 @@ either namespace::
 import lightning
 from lightning.pytorch.callbacks import Callback
 
+from dynamics.callbacks.init_biases import InitBiasesBase
 from dynamics.callbacks.recorder import RecorderBase
 
 
@@ -21,3 +23,8 @@ class DynamicsRecorder(RecorderBase, Callback):
     :class:`~dynamics.callbacks.recorder.RecorderBase`."""
 
     _lightning = lightning
+
+
+class InitBiases(InitBiasesBase, Callback):
+    """The bias initialization callback for ``lightning.pytorch``; see
+    :class:`~dynamics.callbacks.init_biases.InitBiasesBase`."""

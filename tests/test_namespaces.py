@@ -94,3 +94,21 @@ def test_sharded_strategies_of_lightning_pytorch_are_refused(strategy):
     trainer = SimpleNamespace(strategy=strategy.__new__(strategy))
     with pytest.raises(ProbeUnavailable, match="shards them"):
         require_unsharded(trainer, "HessianSpectrum")
+
+
+def test_init_biases_under_the_lightning_namespace(tmp_path):
+    assert issubclass(lightning_callbacks.InitBiases, L.Callback)
+    model = BoringModel()
+    trainer = L.Trainer(
+        max_steps=1,
+        callbacks=[lightning_callbacks.InitBiases("constant", {"value": 0.25})],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model)
+    table = trainer.callbacks[0].table  # what was set at fit setup
+    assert [(entry.module, entry.parameter) for entry in table] == [("layer", "bias")]
+    assert "0.25" in table[0].value
