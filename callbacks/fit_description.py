@@ -19,6 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
+from dynamics.rebuild import class_path
 from dynamics.store import names
 
 __all__ = [
@@ -53,12 +54,6 @@ def fit_attributes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[s
                 f"({type(error).__name__}: {error})"
             )
     return described
-
-
-def class_path(obj: object) -> str:
-    """``module.QualifiedName`` of ``obj``'s class."""
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def plain(value: Any) -> Any:

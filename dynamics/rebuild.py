@@ -43,6 +43,12 @@ from dynamics.params import load_state
 from dynamics.store import Run, names
 
 
+def class_path(obj: object) -> str:
+    """``module.QualifiedName`` of ``obj``'s class: how run files name a class."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def module_record(module: nn.Module) -> dict[str, Any]:
     """What the run file stores to rebuild ``module``: ``class_path``, the JSON ``init_args``
     it saved as hyperparameters, and ``unrecorded_init_args``, the ``__init__`` arguments it
@@ -57,7 +63,7 @@ def module_record(module: nn.Module) -> dict[str, Any]:
             unrecorded.append(name)
     unrecorded += [name for name in _init_parameters(cls) if name not in hparams]
     return {
-        "class_path": f"{cls.__module__}.{cls.__qualname__}",
+        "class_path": class_path(module),
         "init_args": init_args,
         "unrecorded_init_args": sorted(unrecorded),
     }
