@@ -13,6 +13,7 @@ from dynamics.callbacks.logged_metrics import LoggedMetrics
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, SeriesSpec
 from dynamics.callbacks.recorder import DynamicsRecorder
+from dynamics.callbacks.shift_activations import ShiftActivations
 from dynamics.callbacks.training_loss import TrainingLoss
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Probe",
     "ProbeUnavailable",
     "SeriesSpec",
+    "ShiftActivations",
     "TrainingLoss",
     "check_probe",
 ]

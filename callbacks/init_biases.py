@@ -6,7 +6,10 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
 from dynamics.bias.init import RECIPES, BiasSet, init_biases
+from dynamics.callbacks.fit_description import plain
 from dynamics.errors import DynamicsError
+from dynamics.rebuild import class_path
+from dynamics.store import names
 
 
 class InitBiasesBase:
@@ -20,10 +23,16 @@ class InitBiasesBase:
 
     ``setup`` runs before every ``on_fit_start``, so the recorder's θ0 already has these biases,
     whatever the order of the callbacks; a fit resumed from a checkpoint then loads the
-    checkpoint's biases over them. What was set is kept in ``table``. In a LightningCLI config::
+    checkpoint's biases over them. What was set is kept in ``table`` and stored in the run file
+    by the recorder (see :meth:`dynamics_edit`). In a LightningCLI config::
 
         - class_path: dynamics.callbacks.InitBiases
           init_args: {recipe: log_odds, options: {priors: [0.9, 0.1]}}
+
+    ``zeros``, ``constant`` and ``normal`` take ``include`` and ``exclude`` module-name
+    patterns among their options, e.g. only the hidden layers' biases::
+
+          init_args: {recipe: constant, options: {value: 0.01, exclude: [head]}}
     """
 
     def __init__(self, recipe: str, options: dict[str, Any] | None = None) -> None:
@@ -36,6 +45,19 @@ class InitBiasesBase:
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.table = init_biases(pl_module, self.recipe, **self.options)
+
+    def dynamics_edit(self) -> dict[str, Any] | None:
+        """What the recorder stores about this edit: the recipe, its options and one row per
+        parameter set (module, parameter, value); None before the fit's setup. θ0 holds the
+        biases it set, so a rebuilt model needs nothing replayed."""
+        if not self.table:
+            return None
+        return {
+            "class_path": class_path(self),
+            "edit": names.EDIT_INIT_BIASES,
+            "settings": {"recipe": self.recipe, "options": plain(self.options)},
+            "table": [row._asdict() for row in self.table],
+        }
 
 
 class InitBiases(InitBiasesBase, Callback):

@@ -1,5 +1,5 @@
-"""The recorder and the bias initialization callback for ``lightning.pytorch`` (``import
-lightning as L``).
+"""The recorder and the model-editing callbacks (bias initialization, activation shifting) for
+``lightning.pytorch`` (``import lightning as L``).
 
 Its Trainer and LightningCLI accept only their own namespace's callbacks, so these subclasses are
 ``lightning.pytorch`` ``Callback``s; probes come from :mod:`dynamics.callbacks` and work under
@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from dynamics.callbacks.init_biases import InitBiasesBase
 from dynamics.callbacks.recorder import RecorderBase
+from dynamics.callbacks.shift_activations import ShiftActivationsBase
 
 
 class DynamicsRecorder(RecorderBase, Callback):
@@ -28,3 +29,8 @@ class DynamicsRecorder(RecorderBase, Callback):
 class InitBiases(InitBiasesBase, Callback):
     """The bias initialization callback for ``lightning.pytorch``; see
     :class:`~dynamics.callbacks.init_biases.InitBiasesBase`."""
+
+
+class ShiftActivations(ShiftActivationsBase, Callback):
+    """The activation-shifting callback for ``lightning.pytorch``; see
+    :class:`~dynamics.callbacks.shift_activations.ShiftActivationsBase`."""

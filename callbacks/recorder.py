@@ -57,7 +57,12 @@ class RecorderBase:
     layout and θ0's hash, each optimizer's and scheduler's class and hyperparameters, the
     precision, the training data's description (DataModule class and hyperparameters, each
     loader's dataset class, length, batch size and sampler) and the probes' settings, so that
-    ``dynamics compare`` can tell what two runs of any project share.
+    ``dynamics compare`` can tell what two runs of any project share. It also keeps what other
+    callbacks did to the module before θ0 (``model_edits``): any callback with a method
+    ``dynamics_edit()`` returning a JSON dict (``class_path``, ``edit``, ``settings``,
+    ``table``) or None, as :class:`~dynamics.callbacks.ShiftActivations` and
+    :class:`~dynamics.callbacks.InitBiases` have; their ``setup`` ran before the first batch,
+    so the order of the callbacks does not matter.
 
     A step's rows describe the parameters θ_step its forward used: probes are armed before the
     first micro-batch of a due step, see every micro-batch's outputs, and are collected after
@@ -447,6 +452,12 @@ class RecorderBase:
             names.ATTR_BUFFERS: BufferLayout.of(pl_module).to_dict(),
             names.ATTR_MODULE: module_record(pl_module),
             **fit_attributes(trainer, pl_module),
+            names.ATTR_MODEL_EDITS: [
+                edit
+                for callback in trainer.callbacks
+                if callable(getattr(callback, "dynamics_edit", None))
+                and (edit := callback.dynamics_edit()) is not None
+            ],
             names.ATTR_PROBES: [
                 {
                     "class": type(p).__name__,

@@ -17,6 +17,14 @@ only when its top-level package is an installed distribution's (looked up in the
 metadata, before anything is imported), and only a ``torch.nn.Module`` subclass is ever called.
 Anything else (the working directory's modules, the standard library) needs the user's word:
 ``model=`` names the class or factory, or ``trust_recorded_model=True`` imports the recorded one.
+
+What callbacks did to the module at fit time is replayed (``model_edits``): activations
+shifted by ``ShiftActivations`` are shifted again with the recorded settings, and each c is
+checked against the recorded one, since a model rebuilt without its shift computes other losses
+silently; biases set by ``InitBiases`` are in θ0 already. The rebuilt model's submodules are
+then checked, class and settings, against those recorded: a model edited in other ways after
+it was built (``shift_activations`` called in the training script) is refused, not rebuilt
+unedited.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -37,7 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dynamics.activations import ShiftedActivation
 from dynamics.batch_tree import unflatten_batch
+from dynamics.bias.shift import shift_activations
 from dynamics.errors import DynamicsError
 from dynamics.params import load_state
 from dynamics.store import Run, names
@@ -91,7 +102,8 @@ def rebuild_module(
         DynamicsError: the recorded class is outside the installed packages (without
             ``trust_recorded_model``) or not a ``torch.nn.Module`` subclass, the class or
             factory cannot be imported or called, init args are
-            missing, or the model built differs from the run's parameters or buffers.
+            missing, a recorded model edit cannot be replayed (or gives another c), or the
+            model built differs from the run's parameters, buffers or submodules.
     """
     spec = run.attrs.get(names.ATTR_MODULE) or {}
     class_path = spec.get("class_path", "")
@@ -123,7 +135,10 @@ def rebuild_module(
         raise DynamicsError(f"{run.path.name}: {name}(...) failed: {_one_line(error)}") from None
     if not isinstance(module, nn.Module):
         raise DynamicsError(f"{run.path.name}: {name}(...) returned {type(module).__name__}")
+    # Before θ0 is loaded: a shifted activation holds its φ as a child, under another name.
+    _replay_edits(run, module, given_model=bool(model))
     _load_theta0(run, module, args)
+    _check_submodules(run, module)
     return module
 
 
@@ -187,6 +202,91 @@ def _load_theta0(run: Run, module: nn.Module, args: Mapping[str, Any]) -> None:
             f"{run.path.name}: the rebuilt model differs from the run's ({error}); were these "
             f"its init args? {json.dumps(dict(args), default=str)}"
         ) from None
+
+
+def _replay_edits(run: Run, module: nn.Module, given_model: bool) -> None:
+    """Redo what the run's callbacks did to the module that θ0 does not hold: shifting."""
+    for edit in run.attrs.get(names.ATTR_MODEL_EDITS) or ():
+        kind, by = edit.get("edit"), str(edit.get("class_path", "?")).rsplit(".", 1)[-1]
+        if kind == names.EDIT_SHIFT:
+            _replay_shift(run, module, edit)
+        elif kind != names.EDIT_INIT_BIASES and not given_model:
+            raise DynamicsError(
+                f"{run.path.name}: the model was edited at fit time by {by} ({kind}), which "
+                "cannot be replayed offline; pass --model a factory that builds the edited model"
+            )
+
+
+def _replay_shift(run: Run, module: nn.Module, edit: Mapping[str, Any]) -> None:
+    """Shift ``module`` as the recorded edit did, and check every shifted activation's φ,
+    shift and c against the recorded table."""
+    settings = edit.get("settings") or {}
+    try:
+        shift_activations(
+            module,
+            settings.get("shift", "expected"),
+            include=settings.get("include") or (),
+            exclude=settings.get("exclude") or (),
+            dim=settings.get("dim", -1),
+        )
+    except DynamicsError as error:
+        raise DynamicsError(f"{run.path.name}: replaying the recorded shift: {error}") from None
+    named = dict(module.named_modules(remove_duplicate=False))
+    for row in edit.get("table") or ():
+        if not row.get("replaced"):
+            continue
+        where, shifted = row["module"] or "<model>", named.get(row["module"])
+        found = (
+            f"{shifted.phi!r} shift={shifted.shift!r} c={shifted.constant!r}"
+            if isinstance(shifted, ShiftedActivation)
+            else repr(shifted)
+        )
+        recorded_c = row["c"] if row["c"] is not None else 0.0
+        if not (
+            isinstance(shifted, ShiftedActivation)
+            and repr(shifted.phi) == row["activation"]
+            and shifted.shift == row["shift"]
+            and math.isclose(shifted.constant, recorded_c, rel_tol=1e-12, abs_tol=1e-15)
+        ):
+            raise DynamicsError(
+                f"{run.path.name}: the recorded shift of {where} ({row['activation']} "
+                f"shift={row['shift']!r} c={row['c']!r}) cannot be replayed: the rebuilt model "
+                f"has {found} there"
+            )
+
+
+def _check_submodules(run: Run, module: nn.Module) -> None:
+    """Refuse a rebuilt model whose submodules differ in class or settings from the run's."""
+    recorded = run.attrs.get(names.ATTR_SUBMODULES)
+    if not isinstance(recorded, dict):
+        return  # not recorded: the layout check is all there is
+    # The class's own name: a class loaded from a file lives in a module of another name.
+    rebuilt = {
+        name: [type(child).__name__, child.extra_repr()]
+        for name, child in module.named_modules()
+        if name
+    }
+    recorded = {name: [path.rsplit(".", 1)[-1], text] for name, (path, text) in recorded.items()}
+    differing = [
+        n for n in sorted(rebuilt.keys() | recorded.keys()) if rebuilt.get(n) != recorded.get(n)
+    ]
+    if differing:
+        shown = "; ".join(
+            f"{n}: {_module_text(recorded.get(n))} in the run, {_module_text(rebuilt.get(n))} "
+            "rebuilt"
+            for n in differing[:3]
+        )
+        more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
+        raise DynamicsError(
+            f"{run.path.name}: the rebuilt model's submodules differ from the run's "
+            f"({shown}{more}); was the model edited after it was built (shift_activations in "
+            "the training script)? Shift it with the ShiftActivations callback, or pass "
+            "--model a factory that builds it as trained"
+        )
+
+
+def _module_text(record: list[str] | None) -> str:
+    return "absent" if record is None else f"{record[0].rsplit('.', 1)[-1]}({record[1]})"
 
 
 def _init_parameters(cls: type) -> list[str]:

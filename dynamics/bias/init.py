@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dynamics.errors import DynamicsError
+from dynamics.name_globs import glob_any, matched
 
 
 class BiasSet(NamedTuple):
@@ -25,34 +26,54 @@ class BiasSet(NamedTuple):
     value: str
 
 
-def _bias_parameters(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
-    """Every bias parameter: named ``bias`` or ``bias_*`` (LSTM/GRU ``bias_ih_l0``, ...)."""
+def _bias_parameters(
+    model: nn.Module, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> list[tuple[str, str, nn.Parameter]]:
+    """Every bias parameter: named ``bias`` or ``bias_*`` (LSTM/GRU ``bias_ih_l0``, ...), of
+    the modules whose names match ``include`` (all when empty) and not ``exclude``."""
+    named = [name for name, _ in model.named_modules()]
+    unmatched = [p for p in (*include, *exclude) if not matched(p, named)]
+    if unmatched:
+        raise DynamicsError(f"bias recipe: pattern(s) {unmatched} match no module")
     found = [
         (module_name, name, parameter)
         for module_name, module in model.named_modules()
+        if not (include and not glob_any(module_name, include))
+        and not glob_any(module_name, exclude)
         for name, parameter in module.named_parameters(recurse=False)
         if name == "bias" or name.startswith("bias_")
     ]
     if not found:
-        raise DynamicsError(f"{type(model).__name__} has no bias parameters to initialize")
+        chosen = " among the modules the patterns choose" if include or exclude else ""
+        raise DynamicsError(f"{type(model).__name__} has no bias parameters to initialize{chosen}")
     return found
 
 
-def zeros(model: nn.Module) -> list[BiasSet]:
+def zeros(
+    model: nn.Module, *, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> list[BiasSet]:
     """Set every bias parameter to 0, the standard practice.
 
     Every parameter named ``bias`` or ``bias_*``: linear, convolution, normalization and
-    recurrent layers alike.
+    recurrent layers alike. ``include`` and ``exclude`` choose modules by name pattern, as
+    :func:`~dynamics.bias.shift_activations` does (``*``: one segment, ``**``: any depth):
+    ``exclude=["head"]`` leaves the output layer's bias alone.
     """
-    return constant(model, 0.0)
+    return constant(model, 0.0, include=include, exclude=exclude)
 
 
-def constant(model: nn.Module, value: float = 0.01) -> list[BiasSet]:
-    """Set every bias parameter (as in :func:`zeros`) to ``value``; a small positive one (0.01)
-    keeps ReLU units active at first."""
+def constant(
+    model: nn.Module,
+    value: float = 0.01,
+    *,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> list[BiasSet]:
+    """Set every bias parameter (as in :func:`zeros`, with its ``include`` and ``exclude``) to
+    ``value``; a small positive one (0.01) keeps ReLU units active at first."""
     table = []
     with torch.no_grad():
-        for module_name, name, parameter in _bias_parameters(model):
+        for module_name, name, parameter in _bias_parameters(model, include, exclude):
             parameter.fill_(value)
             table.append(BiasSet(module_name, name, f"constant {value:g}"))
     return table
@@ -65,8 +86,11 @@ def normal(
     *,
     seed: int = 0,
     generator: torch.Generator | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
 ) -> list[BiasSet]:
-    """Draw every bias parameter (as in :func:`zeros`) from N(mean, std²), reproducibly.
+    """Draw every bias parameter (as in :func:`zeros`, with its ``include`` and ``exclude``)
+    from N(mean, std²), reproducibly.
 
     The draws come from ``generator`` (a CPU generator), else from a new one seeded with ``seed``;
     the global random state is left alone.
@@ -76,7 +100,7 @@ def normal(
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     table = []
     with torch.no_grad():
-        for module_name, name, parameter in _bias_parameters(model):
+        for module_name, name, parameter in _bias_parameters(model, include, exclude):
             draw = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
             parameter.copy_(draw * std + mean)
             table.append(BiasSet(module_name, name, f"normal mean {mean:g} std {std:g}"))

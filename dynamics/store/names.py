@@ -20,6 +20,11 @@ ATTR_OPTIMIZERS = "optimizers"  # [{"class_path", "param_groups": [{hyperparamet
 ATTR_SCHEDULERS = "schedulers"  # [{"class_path", "interval", "frequency", "state": {...}}]
 ATTR_PRECISION = "precision"  # the Trainer's, e.g. "32-true", "bf16-mixed"
 ATTR_DATA = "data"  # {"datamodule": {"class_path", "init_args"}, "train": [{"dataset", ...}]}
+# What callbacks did to the module before θ0 was recorded, in the callbacks' order: one record
+# per callback with a dynamics_edit() method, [{"class_path", "edit", "settings", "table"}].
+ATTR_MODEL_EDITS = "model_edits"
+EDIT_SHIFT = "shift_activations"  # table rows: module, activation, replaced, shift, c, note
+EDIT_INIT_BIASES = "init_biases"  # table rows: module, parameter, value
 
 # Per-dataset attributes.
 ATTR_COLUMNS = "columns"  # names of a series' last axis

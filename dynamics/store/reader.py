@@ -220,6 +220,14 @@ class Run:
     def name(self) -> str:
         return self.attrs.get(names.ATTR_RUN_NAME) or self.path.stem
 
+    @property
+    def model_edits(self) -> list[dict[str, Any]] | None:
+        """What callbacks did to the module before θ0 (activations shifted, biases set), one
+        ``{"class_path", "edit", "settings", "table"}`` per callback, ``[]`` for none; None in
+        files from before it was recorded."""
+        edits = self.attrs.get(names.ATTR_MODEL_EDITS)
+        return None if edits is None or edits == "null" else edits
+
     @cached_property
     def layout(self) -> ParameterLayout | None:
         from dynamics.params import ParameterLayout  # torch, which offline summaries never need

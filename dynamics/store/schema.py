@@ -146,6 +146,7 @@ ATTR_TYPES: dict[str, type] = {
     names.ATTR_SCHEDULERS: list,
     names.ATTR_PRECISION: str,
     names.ATTR_DATA: dict,
+    names.ATTR_MODEL_EDITS: list,
 }
 #: Vectors of one entry per parameter: flat, of the layout's size.
 PARAMETER_VECTORS = (names.THETA0, names.THETA_FINAL, names.G0, names.PLANE_U, names.PLANE_V)
