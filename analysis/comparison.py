@@ -10,7 +10,8 @@ Losses are compared after a centred moving average over ``2h + 1`` records with
 evaluations), so that step noise in the training loss does not produce spurious crossovers.
 
 A comparison is only meaningful when the runs differ in the named variant alone. What each run
-recorded about itself — parameter layout, θ0's hash, module class, init args and submodules,
+recorded about itself — parameter layout, θ0's hash, module class, init args, model edits
+(activations shifted and biases set by callbacks) and submodules,
 optimizers, schedulers, precision, data, probes and config — is checked pair by pair
 (:func:`comparability`) and summed up in one line (:func:`verdict`): "not comparable" when the
 layouts differ, "different init", "differs in: …", and never agreement on what a run did not
@@ -293,7 +294,9 @@ def comparability(
     """What two runs share and where they differ, check by check, from what each recorded.
 
     The checks: the parameter layout (names and shapes), θ0's hash, the module's class, its
-    init args (saved hyperparameters), its submodules (class and settings of each), the
+    init args (saved hyperparameters), the model edits (each editing callback's class and
+    settings, e.g. ``ShiftActivations(shift=...)``: a run shifted and one not differ there),
+    its submodules (class and settings of each), the
     optimizers and schedulers (class and hyperparameters), the precision, the data (the
     config's ``data`` section and the recorded description), the probes' settings and the rest
     of the config. Something one run did not record is ``"not recorded"``, never the same.
@@ -309,11 +312,15 @@ def comparability(
     args = module_a.get("init_args") or None, module_b.get("init_args") or None
     # A module that saves no hyperparameters records {}: nothing to compare.
     init_args = _check("init args", *args, labels, absent="no saved hyperparameters")
+    edit_settings = [_edit_settings(run.model_edits) for run in (reference, other)]
+    edits = _check("model edits", *edit_settings, labels)
     variant = [
         key.rsplit(".", 1)[-1]
         for key in (_flat_differences(*args) if None not in args else {})
         if key.rsplit(".", 1)[-1] in IGNORED_CONFIG_KEYS
     ]
+    if edits.status == VARIANT:  # ShiftActivations(shift=...) explains the shifted modules
+        variant += [key.rsplit(".", 1)[-1] for key in _flat_differences(*edit_settings)]
     differences = config_differences(reference.config, other.config, keep_variant=True)
     rest = {k: v for k, v in differences.items() if k.split(".", 1)[0] != "data"}
     return [
@@ -321,6 +328,7 @@ def comparability(
         _theta0_check(reference.theta0_sha256, other.theta0_sha256, labels),
         _check("module", module_a.get("class_path"), module_b.get("class_path"), labels),
         init_args,
+        edits,
         _submodules_check(
             a.get(names.ATTR_SUBMODULES), b.get(names.ATTR_SUBMODULES), labels, variant
         ),
@@ -514,6 +522,14 @@ def _missing(a: Any, b: Any, labels: tuple[str, str], what: str) -> str:
     if a is None and b is None:
         return f"{what} in either run"
     return f"{what} in {labels[0] if a is None else labels[1]}"
+
+
+def _edit_settings(edits: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Each model edit's callback and settings; its table follows from them and the module,
+    which other checks compare."""
+    if edits is None:
+        return None
+    return [{k: e.get(k) for k in ("class_path", "settings")} for e in edits]
 
 
 def _by_name(probes: Any) -> dict[str, Any] | None:

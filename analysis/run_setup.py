@@ -1,6 +1,7 @@
-"""What a run was, in words: module class and init args, layout, optimizer, scheduler,
-precision, data and probes, as the recorder stored them at the fit's first batch. The report
-and comparison pages show these lines; a field a run did not record says so.
+"""What a run was, in words: module class and init args, what callbacks did to the module
+(activations shifted, biases set), layout, optimizer, scheduler, precision, data and probes,
+as the recorder stored them at the fit's first batch. The report and comparison pages show
+these lines; a field a run did not record says so.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from dynamics.store import Run, names
 
-__all__ = ["NOT_RECORDED_TEXT", "data_text", "setup_rows"]
+__all__ = ["NOT_RECORDED_TEXT", "data_text", "edits_text", "setup_rows"]
 
 #: What a field a run did not record reads as.
 NOT_RECORDED_TEXT = "not recorded"
@@ -35,6 +36,10 @@ def setup_rows(run: Run) -> list[tuple[str, str]]:
         (
             "init args",
             _json(init_args) if init_args else f"{NOT_RECORDED_TEXT} (no saved hyperparameters)",
+        ),
+        (
+            "model edits",
+            edits_text(run.model_edits) if run.model_edits is not None else NOT_RECORDED_TEXT,
         ),
         ("parameter layout", _layout_text(layout) if layout else NOT_RECORDED_TEXT),
         (
@@ -92,6 +97,52 @@ def data_text(description: Mapping[str, Any]) -> str:
             + (", last batch dropped" if loader.get("drop_last") else "")
         )
     return "; ".join(parts)
+
+
+def edits_text(edits: list[Mapping[str, Any]]) -> str:
+    """What callbacks did to the module, in words: each callback with its settings, and each
+    activation shifted (by how much) or bias set, grouped by what was done; ``none``."""
+    return "; ".join(map(_edit_text, edits)) or "none"
+
+
+def _edit_text(edit: Mapping[str, Any]) -> str:
+    settings = edit.get("settings") or {}
+    head = f"{_short(edit.get('class_path'))}({_settings_text(settings)})"
+    rows = edit.get("table") or []
+    if edit.get("edit") == names.EDIT_SHIFT:
+        done = _grouped(
+            (
+                f"{row['activation']} − {row['c']:.6g}"
+                if row.get("c") is not None
+                else f"{row['activation']} − its {row.get('note') or 'mean'}",
+                row["module"] or "<model>",
+            )
+            for row in rows
+            if row.get("replaced")
+        )
+        left = _grouped(
+            (f"{row['activation']} not shifted ({row.get('note')})", row["module"] or "<model>")
+            for row in rows
+            if not row.get("replaced")
+        )
+        return f"{head}: " + "; ".join(filter(None, [done, left]))
+    if edit.get("edit") == names.EDIT_INIT_BIASES:
+        return f"{head}: " + _grouped(
+            (row["value"], f"{row['module']}.{row['parameter']}".lstrip(".")) for row in rows
+        )
+    return f"{head}: {len(rows)} changes"
+
+
+def _grouped(pairs: Any) -> str:
+    """``what at where, where; other at where``: places grouped by what was done there."""
+    places: dict[str, list[str]] = {}
+    for what, where in pairs:
+        places.setdefault(what, []).append(where)
+    return "; ".join(f"{what} at {', '.join(where)}" for what, where in places.items())
+
+
+def _settings_text(settings: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={_json(v)}" for k, v in settings.items() if v not in ([], {}, None))
 
 
 def _batch_text(batch_size: Any) -> str:
