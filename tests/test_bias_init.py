@@ -1,17 +1,21 @@
 """Bias initialization recipes against exact values: priors, mean target, PyTorch's gates."""
 
+import copy
 import math
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import yaml
 from pytorch_lightning.cli import LightningCLI
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
+from dynamics.analysis.run_setup import setup_rows
 from dynamics.bias import BiasSet, init_biases
 from dynamics.bias.init import constant, log_odds, lstm_forget_gate, mean_target, normal, zeros
-from dynamics.callbacks import InitBiases
+from dynamics.callbacks import DynamicsRecorder, InitBiases, TrainingLoss
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentModule
 from dynamics.params import parameter_vector, vector_hash
@@ -153,6 +157,37 @@ def test_init_biases_by_name() -> None:
     assert model[0].bias.tolist() == [0.5] * 5
 
 
+def deep_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)
+    )
+
+
+def test_generic_recipes_choose_modules_by_name_pattern() -> None:
+    """``include``/``exclude`` patterns, as shift_activations reads them: the hidden layers'
+    biases only (the output layer and the normalization's shift left as they were)."""
+    model = deep_mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    table = constant(model, 0.01, include=["0", "3"])
+    assert [(row.module, row.parameter) for row in table] == [("0", "bias"), ("3", "bias")]
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"0.bias", "3.bias"}
+    assert torch.equal(model[3].bias, torch.full((4,), 0.01))
+    model = deep_mlp()
+    table = zeros(model, exclude=["5", "1"])
+    assert [row.module for row in table] == ["0", "3"]
+    assert torch.equal(model[5].bias, before["5.bias"]) and not model[0].bias.any()
+    model = deep_mlp()
+    table = normal(model, 0.0, 0.1, seed=3, include=["*"], exclude=["1"])
+    assert [row.module for row in table] == ["0", "3", "5"]
+    draws = torch.Generator().manual_seed(3)
+    for name in ("0", "3", "5"):  # drawn in module order from the one generator
+        expected = torch.randn(model.get_submodule(name).bias.shape, generator=draws) * 0.1
+        assert torch.equal(model.get_submodule(name).bias.detach(), expected)
+    assert torch.equal(model[1].bias, before["1.bias"])
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -170,6 +205,8 @@ def test_init_biases_by_name() -> None:
         (lambda: lstm_forget_gate(mlp()), "no nn.LSTM or nn.LSTMCell"),
         (lambda: lstm_forget_gate(nn.LSTM(2, 2, bias=False)), "has no biases"),
         (lambda: normal(mlp(), std=-1.0), "std >= 0"),
+        (lambda: zeros(mlp(), include=["hidden.*"]), r"pattern\(s\) \['hidden.\*'\] match no"),
+        (lambda: constant(mlp(), 0.1, include=["1"]), "no bias parameters .* patterns choose"),
     ],
 )
 def test_bad_input_one_clear_error(call, message: str) -> None:
@@ -215,6 +252,43 @@ def test_init_biases_callback_from_lightning_cli_yaml_before_theta0(tmp_path, mo
     expected = TeacherStudentModule(width=4, expansion=2, depth=1)
     constant(expected, 0.25)
     assert open_run(tmp_path / "run.h5").theta0_sha256 == vector_hash(parameter_vector(expected))
+
+
+def test_init_biases_callback_patterns_and_the_run_records_what_was_set(tmp_path) -> None:
+    """Through the callback's options, only the hidden layers' biases are set; the run file
+    keeps the recipe, its options and each parameter set, and the report's setup says so."""
+    module = TeacherStudentModule(width=4, expansion=2, depth=2)
+    callback = InitBiases("constant", {"value": 0.25, "include": ["**.up"]})
+    recorder = DynamicsRecorder(tmp_path / "run.h5", [TrainingLoss()])
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=8)
+    trainer = pl.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder, callback],
+    )
+    reference = copy.deepcopy(module)
+    trainer.fit(module, data)
+    set_here = [f"{row.module}.{row.parameter}" for row in callback.table]
+    assert set_here == ["student.blocks.0.up.bias", "student.blocks.1.up.bias"]
+    expected = constant(reference, 0.25, include=["**.up"])
+    assert expected == callback.table
+    run = open_run(tmp_path / "run.h5")
+    assert run.theta0_sha256 == vector_hash(parameter_vector(reference))
+    (edit,) = run.model_edits
+    assert edit["edit"] == "init_biases" and edit["class_path"].endswith("InitBiases")
+    assert edit["settings"] == {
+        "recipe": "constant",
+        "options": {"value": 0.25, "include": ["**.up"]},
+    }
+    assert edit["table"] == [row._asdict() for row in callback.table]
+    text = dict(setup_rows(run))["model edits"]
+    assert text == (
+        'InitBiases(options={"include": ["**.up"], "value": 0.25}, recipe="constant"): '
+        f"constant 0.25 at {', '.join(set_here)}"
+    )
 
 
 def test_init_biases_callback_refuses_an_unknown_recipe() -> None:

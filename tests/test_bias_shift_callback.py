@@ -413,7 +413,9 @@ class GPTBlock(pl.LightningModule):
         self.wte = nn.Embedding(vocab, width)
         self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, idx):
         x = self.wte(idx)
