@@ -62,7 +62,9 @@ class RecorderBase:
     ``dynamics_edit()`` returning a JSON dict (``class_path``, ``edit``, ``settings``,
     ``table``) or None, as :class:`~dynamics.callbacks.ShiftActivations` and
     :class:`~dynamics.callbacks.InitBiases` have; their ``setup`` ran before the first batch,
-    so the order of the callbacks does not matter.
+    so the order of the callbacks does not matter. A fit resumed from a checkpoint must edit the
+    model as the checkpoint's fit did (a shift left out would change the model silently): it is
+    refused otherwise.
 
     A step's rows describe the parameters θ_step its forward used: probes are armed before the
     first micro-batch of a due step, see every micro-batch's outputs, and are collected after
@@ -145,6 +147,8 @@ class RecorderBase:
         self._owners: dict[str, str] = {}  # the probe that declared each group and vector
         self._unwritten_events: list[tuple[int, str, str, str]] = []  # before the file exists
         self._warned: set[tuple[str, str]] = set()  # (probe, note) already shown
+        self._edits: list[dict[str, Any]] = []  # what model-editing callbacks did this fit
+        self._checkpoint_edits: list[dict[str, Any]] | None = None  # the resumed fit's
 
     @property
     def state_key(self) -> str:
@@ -155,6 +159,14 @@ class RecorderBase:
         fresh = self._resume_from is None
         if fresh:
             self._reset()
+        self._edits = _model_edits(trainer)
+        if not fresh and self._checkpoint_edits is not None:
+            before, now = map(_edit_settings, (self._checkpoint_edits, self._edits))
+            if before != now:
+                raise RunFileError(
+                    f"{self.path}: the checkpoint's fit edited the model with {before}, this "
+                    f"fit with {now}; resume with the same model-editing callbacks"
+                )
         # A resumed fit continues the file; a fresh one without a checkpoint must not clobber one.
         new_file = fresh and trainer.ckpt_path is None
         problem = self._claim_path(new_file) if trainer.is_global_zero else None
@@ -257,6 +269,7 @@ class RecorderBase:
             "last_rows": dict(self._last_rows),
             "disabled": sorted(self._disabled),
             "probes": {p.name: p.state_dict() for p in self._active()},
+            "model_edits": self._edits,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -266,6 +279,7 @@ class RecorderBase:
         self._last_rows = dict(state_dict["last_rows"])
         self._resume_from = dict(self._last_rows)
         self._disabled = set(state_dict.get("disabled", ()))
+        self._checkpoint_edits = state_dict.get("model_edits")  # None: an older checkpoint
         for probe in self._active():
             probe.load_state_dict(state_dict["probes"].get(probe.name, {}))
 
@@ -452,12 +466,7 @@ class RecorderBase:
             names.ATTR_BUFFERS: BufferLayout.of(pl_module).to_dict(),
             names.ATTR_MODULE: module_record(pl_module),
             **fit_attributes(trainer, pl_module),
-            names.ATTR_MODEL_EDITS: [
-                edit
-                for callback in trainer.callbacks
-                if callable(getattr(callback, "dynamics_edit", None))
-                and (edit := callback.dynamics_edit()) is not None
-            ],
+            names.ATTR_MODEL_EDITS: self._edits,
             names.ATTR_PROBES: [
                 {
                     "class": type(p).__name__,
@@ -543,6 +552,26 @@ class DynamicsRecorder(RecorderBase, Callback):
     ``dynamics.callbacks.lightning.DynamicsRecorder``."""
 
     _lightning = pl
+
+
+def _model_edits(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    """The records of the callbacks that edited the module (``dynamics_edit()``), in order."""
+    return [
+        edit
+        for callback in trainer.callbacks
+        if callable(getattr(callback, "dynamics_edit", None))
+        and (edit := callback.dynamics_edit()) is not None
+    ]
+
+
+def _edit_settings(edits: list[dict[str, Any]]) -> str:
+    """Each edit's kind and settings, in words: what a resumed fit must repeat."""
+    return (
+        "; ".join(
+            f"{e.get('edit')}({json.dumps(e.get('settings'), sort_keys=True)})" for e in edits
+        )
+        or "nothing"
+    )
 
 
 def _default_probes() -> list[Probe]:

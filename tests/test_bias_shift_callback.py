@@ -41,6 +41,7 @@ from dynamics.errors import DynamicsError
 from dynamics.loss_rule import module_loss
 from dynamics.params import parameter_vector, vector_hash
 from dynamics.rebuild import probe_batch, rebuild_module
+from dynamics.store import RunFileError
 
 THIS_FILE = Path(__file__).resolve()
 GELU_C = expected_value(nn.GELU())
@@ -229,11 +230,12 @@ def test_resumed_fit_is_shifted_again_and_continues_as_if_never_stopped(tmp_path
     file continuing the same loss series."""
     model_class = gelu_mlp_class()
 
-    def fit(path, steps, ckpt_path=None):
+    def fit(path, steps, ckpt_path=None, shift=True):
         torch.manual_seed(0)
         module = model_class()
         recorder = DynamicsRecorder(path, [TrainingLoss()], flush_interval_s=1e9)
-        trainer = quiet(max_steps=steps, callbacks=[ShiftActivations(), recorder])
+        shifts = [ShiftActivations()] if shift else []
+        trainer = quiet(max_steps=steps, callbacks=[*shifts, recorder])
         # Full batches: a fit resumed mid-epoch sees the batches an uninterrupted one does.
         trainer.fit(module, regression_batches(batch_size=32), ckpt_path=ckpt_path)
         return trainer, module
@@ -241,6 +243,10 @@ def test_resumed_fit_is_shifted_again_and_continues_as_if_never_stopped(tmp_path
     _, straight = fit(tmp_path / "straight.h5", 4)
     trainer, _ = fit(tmp_path / "resumed.h5", 2)
     trainer.save_checkpoint(tmp_path / "half.ckpt")
+    # Resumed without the shift, the model would change silently mid-run: refused in one line.
+    with pytest.raises(RunFileError, match="edited the model with shift_activations") as error:
+        fit(tmp_path / "resumed.h5", 4, ckpt_path=tmp_path / "half.ckpt", shift=False)
+    assert "this fit with nothing; resume with the same" in str(error.value)
     _, resumed = fit(tmp_path / "resumed.h5", 4, ckpt_path=tmp_path / "half.ckpt")
     assert torch.equal(parameter_vector(resumed), parameter_vector(straight))
     assert isinstance(resumed.net[1], ShiftedActivation)
