@@ -206,7 +206,7 @@ def _load_theta0(run: Run, module: nn.Module, args: Mapping[str, Any]) -> None:
 
 def _replay_edits(run: Run, module: nn.Module, given_model: bool) -> None:
     """Redo what the run's callbacks did to the module that θ0 does not hold: shifting."""
-    for edit in run.attrs.get(names.ATTR_MODEL_EDITS) or ():
+    for edit in run.model_edits or ():
         kind, by = edit.get("edit"), str(edit.get("class_path", "?")).rsplit(".", 1)[-1]
         if kind == names.EDIT_SHIFT:
             _replay_shift(run, module, edit)
@@ -286,7 +286,7 @@ def _check_submodules(run: Run, module: nn.Module) -> None:
 
 
 def _module_text(record: list[str] | None) -> str:
-    return "absent" if record is None else f"{record[0].rsplit('.', 1)[-1]}({record[1]})"
+    return "absent" if record is None else f"{record[0]}({record[1]})"
 
 
 def _init_parameters(cls: type) -> list[str]:

@@ -380,6 +380,10 @@ def test_comparison_says_how_runs_differ_in_shifting(cnn_runs):
     assert checks["model edits"].status == DIFFERS
     assert checks["model edits"].details == "none vs ShiftActivations"
     assert "model edits (none vs ShiftActivations)" in verdict(list(checks.values()))
+    assert dict(setup_rows(adaptive))["model edits"] == (
+        'ShiftActivations(dim=1, shift="adaptive"): '
+        "ReLU(inplace=True) − its mean over dim 1 at features.2, features.4"
+    )
     checks = {c.name: c for c in comparability(expected, adaptive)}
     assert checks["model edits"].status == VARIANT
     assert 'settings.shift: "expected" vs "adaptive"' in checks["model edits"].details
