@@ -122,7 +122,11 @@ class BiasComponent(Probe):
     - ``<part>_loss`` and ``full_loss``: the loss function's value on each decode: how well it
       predicts the target, in the loss's own terms;
     - for the regression losses of ``SAME_SPACE_LOSSES`` only, ``<part>_cos_target``,
-      ``<part>_relerr_target``, ``full_cos_target``, ``full_relerr_target``, defined alike.
+      ``<part>_relerr_target``, ``full_cos_target``, ``full_relerr_target``, defined alike, and
+      ``<part>_corr_target``, ``full_corr_target``: the cosine of the values minus each
+      example's mean (Pearson's correlation per example, averaged) — for images of
+      non-negative pixels any bright blob has a high cosine to every image, the correlation
+      asks whether the decode has the image's structure.
       For classification (logits against class indices) they would compare unlike things and
       are not recorded; the decode's loss is the comparison with the target. Logits are compared
       with the full logits as they are: a constant added to a row of logits changes the cosine
@@ -264,6 +268,9 @@ class BiasComponent(Probe):
             group[f"{part}_loss"] = per_layer(f"{what.capitalize()}: {self._function}", "loss")
         if self._same_space:
             group["full_cos_target"] = scalar("Cosine of the full output to the target", "cos")
+            group["full_corr_target"] = scalar(
+                "Correlation of the full output with the target", "corr"
+            )
             group["full_relerr_target"] = scalar(
                 "Relative error of the full output to the target", "‖f − y‖ / ‖y‖"
             )
@@ -271,6 +278,9 @@ class BiasComponent(Probe):
                 what = f"{part}-only decode"
                 group[f"{part}_cos_target"] = per_layer(
                     f"Cosine of the {what} to the target", "cos"
+                )
+                group[f"{part}_corr_target"] = per_layer(
+                    f"Correlation of the {what} with the target", "corr"
                 )
                 group[f"{part}_relerr_target"] = per_layer(
                     f"Relative error of the {what} to the target", "‖d − y‖ / ‖y‖"
@@ -309,6 +319,7 @@ class BiasComponent(Probe):
             ),
             "bias_component": "mean across the feature axis times the all-ones direction",
             "cosine": "per example (first axis of the output), averaged over the batch",
+            "correlation": "cosine of each example's values minus their mean, averaged",
             "relative_error": "‖d − r‖ / ‖r‖ over the whole batch",
             "image_steps": sorted(self._image_steps),
             "examples": self.examples if self._image_steps else 0,
@@ -336,6 +347,7 @@ class BiasComponent(Probe):
         }
         if self._same_space:
             row["full_cos_target"] = _cosine(full.prediction, full.target)
+            row["full_corr_target"] = _cosine(full.prediction, full.target, centred=True)
             row["full_relerr_target"] = _relative_error(full.prediction, full.target)
         decodes = {}
         for part in PARTS:
@@ -350,6 +362,9 @@ class BiasComponent(Probe):
             if self._same_space:
                 targets = [(c.prediction, c.target) for c in calls.values()]
                 row[f"{part}_cos_target"] = torch.stack([_cosine(d, y) for d, y in targets])
+                row[f"{part}_corr_target"] = torch.stack(
+                    [_cosine(d, y, centred=True) for d, y in targets]
+                )
                 row[f"{part}_relerr_target"] = torch.stack(
                     [_relative_error(d, y) for d, y in targets]
                 )
@@ -501,9 +516,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1) if x.dim() >= 2 else x.reshape(1, -1)
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Cosine of each example's flattened values, averaged; NaN where a norm is zero."""
+def _cosine(a: torch.Tensor, b: torch.Tensor, centred: bool = False) -> torch.Tensor:
+    """Cosine of each example's flattened values, averaged; NaN where a norm is zero.
+    ``centred``: of the values minus each example's mean (Pearson's correlation)."""
     a, b = _rows(a), _rows(b)
+    if centred:
+        a, b = a - a.mean(1, keepdim=True), b - b.mean(1, keepdim=True)
     norms = torch.linalg.vector_norm(a, dim=1) * torch.linalg.vector_norm(b, dim=1)
     return ((a * b).sum(1) / norms).mean()  # 0/0 -> NaN: no direction, no cosine
 

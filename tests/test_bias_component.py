@@ -75,6 +75,8 @@ def test_rows_at_theta0_match_direct_evaluation_of_the_split():
         assert row[f"{part}_cos_target"][0] == pytest.approx(_cos(decode, y), abs=1e-6)
         assert row[f"{part}_relerr_target"][0] == pytest.approx(_relerr(decode, y), rel=1e-5)
         assert row[f"{part}_loss"][0] == pytest.approx(float(F.mse_loss(decode, y)), rel=1e-5)
+        centred = [t - t.mean(1, keepdim=True) for t in (decode, y)]
+        assert row[f"{part}_corr_target"][0] == pytest.approx(_cos(*centred), abs=1e-6)
     assert row["full_cos_target"] == pytest.approx(_cos(full, y), abs=1e-6)
     assert row["full_loss"] == pytest.approx(float(F.mse_loss(full, y)), rel=1e-5)
     share = float(bias.double().square().sum() / h.double().square().sum())

@@ -22,7 +22,7 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.experiments.autoencoder import AutoencoderModule, DigitsData
+from dynamics.experiments.autoencoder import INITS, AutoencoderModule, DigitsData
 from dynamics.experiments.config import (
     ConfigError,
     ExperimentConfig,
@@ -40,6 +40,7 @@ _DIGITS = 1797
 @dataclass
 class ModelConfig:
     width: int = 16
+    init: str = "kaiming"
 
 
 @dataclass
@@ -114,6 +115,10 @@ class AutoencoderConfig(ExperimentConfig):
             raise ConfigError(
                 f"record.layers must be a list of module names, got {record.layers!r}"
             )
+        if self.model.init not in INITS:
+            raise ConfigError(
+                f"model.init must be one of {', '.join(INITS)}, got {self.model.init!r}"
+            )
         if not self.variants:
             raise ConfigError("variants must name at least one autoencoder")
         for name, shift in self.variants.items():
@@ -139,6 +144,7 @@ class Autoencoder(Experiment[AutoencoderConfig]):
     def build(self, config: AutoencoderConfig, variant: str) -> Built:
         module = AutoencoderModule(
             width=config.model.width,
+            init=config.model.init,
             shift=config.variants[variant],
             seed=config.seed,
             lr=config.lr,
