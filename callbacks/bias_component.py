@@ -255,35 +255,26 @@ class BiasComponent(Probe):
         def scalar(title: str, label: str) -> SeriesSpec:
             return SeriesSpec(view=View("scalar", title, label))
 
+        # Short titles: a panel's title is "<title>: <layer>".
         group = {
-            "bias_share": per_layer("Share of ‖h‖² in the bias component h̄·1", "‖h̄·1‖² / ‖h‖²"),
+            "bias_share": per_layer("Bias share ‖h̄·1‖²/‖h‖²", "share"),
             "full_loss": scalar(f"Full decode: {self._function}", "loss"),
         }
         for part in PARTS:
-            what = f"{part}-only decode"
-            group[f"{part}_cos_full"] = per_layer(f"Cosine of the {what} to the full output", "cos")
-            group[f"{part}_relerr_full"] = per_layer(
-                f"Relative error of the {what} to the full output", "‖d − f‖ / ‖f‖"
-            )
-            group[f"{part}_loss"] = per_layer(f"{what.capitalize()}: {self._function}", "loss")
+            what = f"{part.capitalize()}-only"
+            group[f"{part}_cos_full"] = per_layer(f"{what}: cos to full", "cos")
+            group[f"{part}_relerr_full"] = per_layer(f"{what}: rel. error to full", "‖d − f‖/‖f‖")
+            group[f"{part}_loss"] = per_layer(f"{what}: {self._function}", "loss")
         if self._same_space:
-            group["full_cos_target"] = scalar("Cosine of the full output to the target", "cos")
-            group["full_corr_target"] = scalar(
-                "Correlation of the full output with the target", "corr"
-            )
-            group["full_relerr_target"] = scalar(
-                "Relative error of the full output to the target", "‖f − y‖ / ‖y‖"
-            )
+            group["full_cos_target"] = scalar("Full decode: cos to target", "cos")
+            group["full_corr_target"] = scalar("Full decode: corr. with target", "corr")
+            group["full_relerr_target"] = scalar("Full decode: rel. error to target", "‖f − y‖/‖y‖")
             for part in PARTS:
-                what = f"{part}-only decode"
-                group[f"{part}_cos_target"] = per_layer(
-                    f"Cosine of the {what} to the target", "cos"
-                )
-                group[f"{part}_corr_target"] = per_layer(
-                    f"Correlation of the {what} with the target", "corr"
-                )
+                what = f"{part.capitalize()}-only"
+                group[f"{part}_cos_target"] = per_layer(f"{what}: cos to target", "cos")
+                group[f"{part}_corr_target"] = per_layer(f"{what}: corr. with target", "corr")
                 group[f"{part}_relerr_target"] = per_layer(
-                    f"Relative error of the {what} to the target", "‖d − y‖ / ‖y‖"
+                    f"{what}: rel. error to target", "‖d − y‖/‖y‖"
                 )
         groups = {names.BIAS_COMPONENT: group}
         if self._image_steps:

@@ -81,7 +81,7 @@ def test_report_and_compare_draw_the_decoded_images(pages):
     compare = (folder / "compare.html").read_text()
     for layer in ("encoder.3", "encoder.8", "decoder.4"):
         assert f"Decoded examples at {layer}" in compare
-    assert "Correlation of the bias-only decode with the target" in compare
+    assert "Bias-only: corr. with target" in compare
 
 
 @pytest.mark.parametrize(
