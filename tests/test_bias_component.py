@@ -249,3 +249,29 @@ def test_bad_arguments_are_refused():
         BiasComponent("act")
     with pytest.raises(ValueError, match="examples"):
         BiasComponent(["act"], examples=0)
+
+
+class TwoLosses(Regressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y) + 0.1 * F.l1_loss(self(x), y)
+
+
+def test_steps_aside_when_the_loss_calls_several_loss_functions(tmp_path):
+    message = _disabled(tmp_path, TwoLosses(), BiasComponent(["act"]), _regression_loader())
+    assert "calls mse_loss, l1_loss of the loss functions" in message
+
+
+def test_an_image_budget_too_small_stores_no_images_and_says_so(tmp_path):
+    module = AutoencoderModule(width=4)
+    loader = DataLoader(TensorDataset(digit_images(False, 297)[:8]), batch_size=8)
+    probe = BiasComponent(["decoder.4"], image_budget_mb=0)
+    make_quiet_trainer(max_steps=2, callbacks=[DynamicsRecorder(tmp_path / "a.h5", [probe])]).fit(
+        module, loader
+    )
+    run = open_run(tmp_path / "a.h5")
+    assert names.BIAS_COMPONENT_IMAGES not in run.groups
+    assert run.vector(names.BIAS_COMPONENT_TARGET) is None
+    (warning,) = [e for e in run.events() if e.probe == "bias_component"]
+    assert warning.kind == names.EVENT_WARNING and "stores no decoded images" in warning.message
+    assert len(run.series(names.BIAS_COMPONENT).step) == 2  # the series are recorded all the same
