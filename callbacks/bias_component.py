@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dynamics.callbacks.hidden_state_norms import CHANNELS_FIRST, FEATURES_LAST
+from dynamics.callbacks.hidden_state_norms import kind_dim
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec, require_unsharded
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.isolation import Mode, side_effect_free
@@ -435,16 +435,16 @@ class BiasComponent(Probe):
         if self.feature_dim is not None:
             return self.feature_dim, "feature_dim"
         module = named[layer]
-        inside = [(n, m) for n, m in module.named_modules() if _kind_axis(m) is not None]
+        inside = [(n, m) for n, m in module.named_modules() if kind_dim(m) is not None]
         if inside:
             sub, last = inside[-1]
             where = "its class" if not sub else f"its last known submodule {sub}"
-            return _kind_axis(last), f"{where} ({type(last).__name__})"
+            return kind_dim(last), f"{where} ({type(last).__name__})"
         order = list(named)
-        before = [n for n in order[: order.index(layer)] if _kind_axis(named[n]) is not None]
+        before = [n for n in order[: order.index(layer)] if kind_dim(named[n]) is not None]
         if before:
             source = named[before[-1]]
-            return _kind_axis(source), (
+            return kind_dim(source), (
                 f"the known module registered before it, {before[-1]} ({type(source).__name__})"
             )
         return -1, "no known module before it: last axis assumed"
@@ -492,14 +492,6 @@ def _loss_calls(module: nn.Module, mode: Mode):
     calls = _LossCalls()
     with side_effect_free(module, mode), torch.no_grad(), calls:
         yield calls.calls
-
-
-def _kind_axis(module: nn.Module) -> int | None:
-    if isinstance(module, CHANNELS_FIRST):
-        return 1
-    if isinstance(module, FEATURES_LAST):
-        return -1
-    return None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
