@@ -39,6 +39,7 @@ from dynamics.analysis.comparison import (
     top_eigenvalue,
     verdict,
 )
+from dynamics.analysis.decoded_images import decoded_images, decoded_images_figure
 from dynamics.analysis.figures import (
     Curve,
     compared_view_figure,
@@ -297,12 +298,31 @@ def _figures(runs: list[Run], labels: list[str]) -> list[tuple[str, go.Figure]]:
                 colors=[color for _, color, _ in drawn],
             )
             figures.append((slug(group), figure))
+        if group == names.BIAS_COMPONENT:
+            figures += _decoded_images_figures(runs, labels)
         if group == names.HESSIAN:
             densities = {label: density_rows(run) for run, label in zip(runs, labels)}
             densities = {label: rows for label, rows in densities.items() if rows is not None}
             if densities:
                 figures.append(("spectral-density", density_figure(densities)))
     return figures
+
+
+def _decoded_images_figures(runs: list[Run], labels: list[str]) -> list[tuple[str, go.Figure]]:
+    """Per layer, the runs' decoded examples side by side."""
+    stored = [(label, decoded_images(run)) for run, label in zip(runs, labels)]
+    stored = [(label, images) for label, images in stored if images is not None]
+    layers = dict.fromkeys(layer for _, images in stored for layer in images.layers)
+    return [
+        (
+            f"decoded-images-{slug(layer)}",
+            decoded_images_figure(
+                {label: (images, layer) for label, images in stored if layer in images.layers},
+                title=f"Decoded examples at {layer}: full, bias-only and remainder-only",
+            ),
+        )
+        for layer in layers
+    ]
 
 
 def _difference_figure(runs: list[Run], labels: list[str], colors: list[str]) -> go.Figure | None:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 
 from dynamics import __version__
+from dynamics.analysis.decoded_images import decoded_images, decoded_images_figure
 from dynamics.analysis.figures import (
     density_figure,
     loss,
@@ -190,6 +191,11 @@ def _run_figures(run: Run, overshoot: OvershootReport | None) -> list[tuple[str,
             figure = view_figure(drawn, title=group_title(group)) if drawn else None
         if figure is not None:
             figures.append((slug(group), figure))
+        images = decoded_images(run) if group == names.BIAS_COMPONENT else None
+        if images is not None:
+            panels = {layer: (images, layer) for layer in images.layers}
+            title = "Decoded examples: full, bias-only and remainder-only, per layer"
+            figures.append(("decoded-images", decoded_images_figure(panels, title=title)))
         density = density_rows(run) if group == names.HESSIAN else None
         if density is not None:
             figures.append(("spectral-density", density_figure({"": density})))

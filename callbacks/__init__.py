@@ -4,6 +4,7 @@
 ``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
 """
 
+from dynamics.callbacks.bias_component import BiasComponent
 from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.gradient_plane import GradientPlane
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
@@ -17,6 +18,7 @@ from dynamics.callbacks.shift_activations import ShiftActivations
 from dynamics.callbacks.training_loss import TrainingLoss
 
 __all__ = [
+    "BiasComponent",
     "DynamicsRecorder",
     "GradientPlane",
     "HessianSpectrum",

@@ -309,14 +309,14 @@ class HiddenStateNorms(Probe):
             return _Axis(self.feature_dims[pattern], f"feature_dims[{pattern!r}]")
         if self.feature_dim is not None:
             return _Axis(self.feature_dim, "feature_dim")
-        dim = _kind_dim(module)
+        dim = kind_dim(module)
         if dim is not None:
             return _Axis(dim, f"{type(module).__name__} output", module)
-        known = [(n, m) for n, m in module.named_modules() if n and _kind_dim(m) is not None]
+        known = [(n, m) for n, m in module.named_modules() if n and kind_dim(m) is not None]
         if known:
             sub, last = known[-1]
             return _Axis(
-                _kind_dim(last), f"last known submodule {sub} ({type(last).__name__})", last
+                kind_dim(last), f"last known submodule {sub} ({type(last).__name__})", last
             )
         return _Axis(-1, _ASSUMED)
 
@@ -404,7 +404,7 @@ def _has_instance(named: Mapping[str, nn.Module], cls: type[nn.Module]) -> bool:
     return any(isinstance(m, cls) for m in named.values())
 
 
-def _kind_dim(module: nn.Module) -> int | None:
+def kind_dim(module: nn.Module) -> int | None:
     """The feature axis of ``module``'s batched output where its class fixes one."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and len(module.normalized_shape) != 1:
         return None  # normalises several trailing axes at once: no single feature axis

@@ -131,6 +131,12 @@ HESSIAN_GRADIENT_SHARE = "gradient_share"
 HESSIAN_DENSITY_NODES = "density_nodes"
 HESSIAN_DENSITY_WEIGHTS = "density_weights"
 
+# BiasComponent: decodes of the activation-bias component and the remainder of chosen layers.
+BIAS_COMPONENT = "bias_component"
+BIAS_COMPONENT_IMAGES = "bias_component_images"  # decoded examples at thinned steps
+BIAS_COMPONENT_DECODES = "decodes"  # (layers, full/bias/remainder, examples, C, H, W)
+BIAS_COMPONENT_TARGET = "bias_component_target"  # the examples' target images, (examples, C, H, W)
+
 PLANE = "plane"
 PLANE_A = "a"
 PLANE_B = "b"

@@ -1,0 +1,150 @@
+"""The decoded images :class:`~dynamics.callbacks.BiasComponent` stores: per layer, the full,
+bias-only and remainder-only decodes of a few fixed examples at thinned steps, beside their
+targets (seed 002, Fig. 5).
+
+Each figure is a mosaic per panel: the target row on top, then for each shown step the full
+decode, the bias-only decode and the remainder-only decode, one column per example, all on one
+grey scale (the targets' range) so a dim decode looks dim. The report draws one figure per run
+with a panel per layer; the comparison one figure per layer with a panel per run, side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dynamics.store import Run, names
+
+__all__ = ["DECODES", "DecodedImages", "decoded_images", "decoded_images_figure", "shown_rows"]
+
+#: The decodes of a stored row, in their stored order.
+DECODES = ("full", "bias-only", "remainder-only")
+_TILE_PX = 16  # screen pixels per image pixel (8×8 digits: 128 px tiles)
+
+
+@dataclass(frozen=True)
+class DecodedImages:
+    """One run's stored decodes.
+
+    Attributes:
+        layers: the split layers.
+        step: steps of the stored rows, shape (n,).
+        decodes: shape (n, layers, 3 decodes, examples, C, H, W).
+        target: the examples' targets, shape (examples, C, H, W).
+    """
+
+    layers: tuple[str, ...]
+    step: np.ndarray
+    decodes: np.ndarray
+    target: np.ndarray
+
+
+def decoded_images(run: Run) -> DecodedImages | None:
+    """The decoded images ``run`` stores, or None when it stores none."""
+    rows = run.recorded(names.BIAS_COMPONENT_IMAGES)
+    target = run.vector(names.BIAS_COMPONENT_TARGET)
+    if rows is None or target is None:
+        return None
+    layers = run.columns(names.BIAS_COMPONENT, "bias_share")
+    return DecodedImages(layers, rows.step, rows[names.BIAS_COMPONENT_DECODES], target)
+
+
+def shown_rows(step: np.ndarray) -> list[int]:
+    """Indices of the rows shown: early (the first after step 0), middle (the median of the
+    rows after it: :class:`~dynamics.callbacks.BiasComponent` spaces rows geometrically, so
+    its step is near the geometric mean of the others) and late (the last); fewer when fewer
+    rows are stored."""
+    last = len(step) - 1
+    early = min(1, last)
+    return sorted({early, (early + last) // 2, last})
+
+
+def decoded_images_figure(
+    panels: Mapping[str, tuple[DecodedImages, str]],
+    *,
+    title: str,
+    rows: Sequence[int] | None = None,
+) -> go.Figure:
+    """Mosaics of decodes side by side, one per ``{panel title: (images, layer)}``.
+
+    Args:
+        panels: what each panel shows: a run's images and one of its layers.
+        title: the figure's title.
+        rows: indices of the stored rows to show (default :func:`shown_rows` of each panel).
+    """
+    figure = make_subplots(
+        rows=1, cols=len(panels), subplot_titles=list(panels), horizontal_spacing=0.08
+    )
+    targets = [images.target for images, _ in panels.values()]
+    low = min(float(t.min()) for t in targets)
+    high = max(float(t.max()) for t in targets)
+    height = 0
+    for column, (images, layer) in enumerate(panels.values(), start=1):
+        shown = list(rows) if rows is not None else shown_rows(images.step)
+        z, labels = _mosaic(images, images.layers.index(layer), shown)
+        tile = images.target.shape[-2] + 1
+        figure.add_trace(
+            go.Heatmap(
+                z=z,
+                zmin=low,
+                zmax=high,
+                colorscale="Greys",
+                showscale=column == 1,
+                hovertemplate="%{z:.3f}<extra></extra>",
+            ),
+            row=1,
+            col=column,
+        )
+        figure.update_yaxes(
+            tickvals=[i * tile + (tile - 2) / 2 for i in range(len(labels))],
+            ticktext=labels,
+            autorange="reversed",
+            scaleanchor=f"x{column if column > 1 else ''}",
+            showgrid=False,
+            zeroline=False,
+            row=1,
+            col=column,
+        )
+        examples = images.target.shape[0]
+        width = images.target.shape[-1] + 1
+        figure.update_xaxes(
+            tickvals=[i * width + (width - 2) / 2 for i in range(examples)],
+            ticktext=[f"example {i + 1}" for i in range(examples)],
+            showgrid=False,
+            zeroline=False,
+            row=1,
+            col=column,
+        )
+        height = max(height, z.shape[0] * _TILE_PX // 2 + 160)
+    figure.update_layout(
+        title=title, height=height, plot_bgcolor="white", margin={"l": 170, "r": 30}
+    )
+    return figure
+
+
+def _mosaic(images: DecodedImages, layer: int, shown: Sequence[int]) -> tuple[np.ndarray, list]:
+    """The panel's grey values (tiles separated by one blank pixel) and its row labels."""
+    tiles = [_grey(images.target)]
+    labels = ["target"]
+    for i in shown:
+        for d, decode in enumerate(DECODES):
+            tiles.append(_grey(images.decodes[i, layer, d]))
+            labels.append(f"step {int(images.step[i])} · {decode}")
+    examples, height, width = tiles[0].shape
+    z = np.full((len(tiles) * (height + 1) - 1, examples * (width + 1) - 1), np.nan)
+    for r, row in enumerate(tiles):
+        for e in range(examples):
+            z[
+                r * (height + 1) : r * (height + 1) + height,
+                e * (width + 1) : e * (width + 1) + width,
+            ] = row[e]
+    return z, labels
+
+
+def _grey(images: np.ndarray) -> np.ndarray:
+    """(examples, C, H, W) as (examples, H, W): colour images as the mean of their channels."""
+    return np.asarray(images, dtype=float).mean(axis=1)
