@@ -39,6 +39,7 @@ from torch import nn
 
 from dynamics.batch_tree import unflatten_batch
 from dynamics.errors import DynamicsError
+from dynamics.errors import one_line as _one_line
 from dynamics.params import load_state
 from dynamics.store import Run, names
 
@@ -116,14 +117,29 @@ def rebuild_module(
             )
     else:
         args = given
+    module = _built(target, args, f"{run.path.name}: ")
+    _load_theta0(run, module, args)
+    return module
+
+
+def build_module(model: str, init_args: Mapping[str, Any] | None = None) -> nn.Module:
+    """The module that the class or factory ``model`` (``pkg.module:name`` or
+    ``path/to/file.py:name``, as ``--model``) builds from ``init_args``.
+
+    Raises:
+        DynamicsError: it cannot be imported or called, or returns no ``torch.nn.Module``.
+    """
+    return _built(_target(model), dict(init_args or {}), "")
+
+
+def _built(target: Any, args: Mapping[str, Any], where: str) -> nn.Module:
     name = getattr(target, "__qualname__", repr(target))
     try:
         module = target(**args)
-    except Exception as error:  # any failure of user code means: cannot rebuild offline
-        raise DynamicsError(f"{run.path.name}: {name}(...) failed: {_one_line(error)}") from None
+    except Exception as error:  # any failure of user code means: cannot build it
+        raise DynamicsError(f"{where}{name}(...) failed: {_one_line(error)}") from None
     if not isinstance(module, nn.Module):
-        raise DynamicsError(f"{run.path.name}: {name}(...) returned {type(module).__name__}")
-    _load_theta0(run, module, args)
+        raise DynamicsError(f"{where}{name}(...) returned {type(module).__name__}")
     return module
 
 
@@ -330,8 +346,3 @@ def _importable_working_directory(*folders: Path) -> Iterator[None]:
     finally:
         for entry in added:
             sys.path.remove(entry)
-
-
-def _one_line(error: BaseException | None) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

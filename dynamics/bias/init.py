@@ -25,13 +25,19 @@ class BiasSet(NamedTuple):
     value: str
 
 
+def is_bias(name: str) -> bool:
+    """Whether a parameter's own name names a bias: ``bias``, ``bias_*`` (LSTM/GRU
+    ``bias_ih_l0``, attention's ``bias_k``) or ``*_bias`` (attention's ``in_proj_bias``)."""
+    return name == "bias" or name.startswith("bias_") or name.endswith("_bias")
+
+
 def _bias_parameters(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
-    """Every bias parameter: named ``bias`` or ``bias_*`` (LSTM/GRU ``bias_ih_l0``, ...)."""
+    """Every bias parameter (:func:`is_bias`)."""
     found = [
         (module_name, name, parameter)
         for module_name, module in model.named_modules()
         for name, parameter in module.named_parameters(recurse=False)
-        if name == "bias" or name.startswith("bias_")
+        if is_bias(name)
     ]
     if not found:
         raise DynamicsError(f"{type(model).__name__} has no bias parameters to initialize")
@@ -41,7 +47,7 @@ def _bias_parameters(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
 def zeros(model: nn.Module) -> list[BiasSet]:
     """Set every bias parameter to 0, the standard practice.
 
-    Every parameter named ``bias`` or ``bias_*``: linear, convolution, normalization and
+    Every parameter :func:`is_bias` names: linear, convolution, normalization and
     recurrent layers alike.
     """
     return constant(model, 0.0)

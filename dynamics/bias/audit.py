@@ -1,0 +1,669 @@
+"""The bias audit of any model (seed 000): how much of it is bias, whether it maps the origin to
+the origin, which biases a constant input feature could absorb, which missing biases a
+normalization's learned shift supplies, and the activation bias of every activation.
+
+Structure is read from one traced forward on an example input, as data flow: a module *follows*
+a layer when its input is that layer's output, unmodified (the same tensor, or a view of it
+through ``reshape``/``flatten``/``Identity``, with no in-place change since the layer returned
+it; dropout, which scales but never shifts, is passed through), decided by tensor storage and
+version counter; a layer *reads the input* when its input is the example input so. Functional
+code between two modules (a residual ``x + f(x)``, an activation called as ``F.gelu``) makes a
+new tensor, so the module after it does not follow the layer: a normalization of
+``x + proj(h)`` supplies no shift to ``proj`` alone. Without an example input the modules'
+registration order stands in for the forward's (the next module registered follows a layer; the
+first layer reads the input), and the result says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.conv import _ConvNd
+from torch.nn.modules.dropout import _DropoutNd
+
+from dynamics.activations import ShiftedActivation, expected_value
+from dynamics.batch_tree import flatten_batch, unflatten_batch
+from dynamics.bias.init import is_bias
+from dynamics.bias.shift import ACTIVATION_MODULES, functional_activations
+from dynamics.errors import DynamicsError, one_line
+from dynamics.isolation import side_effect_free
+from dynamics.loss_rule import module_loss
+
+#: Layers that take a ``bias`` option in PyTorch: the rows of the layer table.
+LAYER_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    _ConvNd,
+    nn.RNNBase,
+    nn.RNNCellBase,
+    nn.MultiheadAttention,
+)
+#: Normalizations; one with a ``bias`` parameter has a learned shift. ``_NormBase`` is every
+#: BatchNorm (also lazy, sync) and InstanceNorm.
+NORM_TYPES: tuple[type[nn.Module], ...] = (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+#: Activations whose only kink sits at 0, so the quadrature of E[φ(z)] is exact (~1e-13).
+EXPECTED_TYPES: tuple[type[nn.Module], ...] = (*ACTIVATION_MODULES, nn.SELU, nn.CELU)
+#: Activations measured but given no E[φ(z)]: a learned slope, or kinks away from 0.
+MEASURED_TYPES: tuple[type[nn.Module], ...] = (
+    nn.PReLU,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Hardtanh,  # and ReLU6
+)
+#: Random weight draws of the origin check.
+DEFAULT_DRAWS = 5
+#: Key of the audit in a probe's settings in a run file.
+SETTINGS_KEY = "bias_audit"
+
+TRACED = "traced forward on the example input"
+REGISTERED = (
+    "registration order (no example input: the forward may call modules in another order, "
+    "and functional code between them is not seen)"
+)
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """The parameters a module holds itself (not its children's).
+
+    Attributes:
+        module: the dotted module path (``""``: the model itself).
+        kind: the module's class name.
+        bias: how many of them are biases (``bias``, ``bias_*``, ``*_bias``).
+        total: how many there are.
+    """
+
+    module: str
+    kind: str
+    bias: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A layer that can carry a bias (:data:`LAYER_TYPES`), and what its bias (or its lack)
+    means here.
+
+    Attributes:
+        module: the dotted module path.
+        kind: the class name.
+        bias: whether it has bias parameters.
+        followed_by: the modules that follow it (see the module docstring).
+        absorbable: with a bias, whether a constant input feature could stand in for it
+            exactly; ``None`` without one.
+        shift_source: without a bias, the normalization after it whose learned shift
+            supplies one; ``None`` otherwise.
+        flagged: without a bias and without a shift source.
+        note: why.
+    """
+
+    module: str
+    kind: str
+    bias: bool
+    followed_by: tuple[str, ...]
+    absorbable: bool | None
+    shift_source: str | None
+    flagged: bool
+    note: str
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Whether the model maps the origin to the origin, checked numerically: ‖f(0)‖ on a copy
+    of the model, eval mode, for each of ``draws`` random weight draws.
+
+    Attributes:
+        checked: whether the check ran (``note`` says why not).
+        draws: random weight draws tried.
+        pinned: ‖f(0)‖ = 0 exactly in every draw; ``None`` if not checked.
+        largest_norm: the largest ‖f(0)‖ over the draws.
+        note: how it was checked, or why not.
+    """
+
+    checked: bool
+    draws: int
+    pinned: bool | None
+    largest_norm: float | None
+    note: str
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The activation bias of one activation.
+
+    Attributes:
+        module: the dotted module path (of the caller, for a functional call).
+        activation: the module's repr, or the function's name.
+        expected: E[out(z)], z ~ N(0, 1) elementwise, of what the module returns (E[φ(z)]; for
+            a shifted activation, E[φ(z)] − c); ``None`` where not computed.
+        measured: the mean of its output over the example input's forward (every element,
+            every call); ``None`` where not measured.
+        note: why a value is missing.
+    """
+
+    module: str
+    activation: str
+    expected: float | None
+    measured: float | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class BiasAudit:
+    """What :func:`audit` found; ``lines()`` and ``tables()`` render it, ``to_dict()`` as JSON."""
+
+    parameters: tuple[ParameterCount, ...]
+    origin: Origin
+    order: str
+    layers: tuple[Layer, ...]
+    activations: tuple[Activation, ...]
+    input_note: str = field(default="")
+
+    @property
+    def bias_parameters(self) -> int:
+        return sum(row.bias for row in self.parameters)
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(row.total for row in self.parameters)
+
+    @property
+    def bias_free(self) -> bool:
+        """No bias parameters at all (the origin check says what that does to f(0))."""
+        return self.bias_parameters == 0
+
+    def share(self) -> str:
+        """``906 of 567,434 = 0.16 %``: bias parameters of all parameters."""
+        return _share(self.bias_parameters, self.total_parameters)
+
+    def lines(self) -> list[str]:
+        """The verdicts in words, one a line."""
+        bias_tensors = sum(1 for row in self.parameters if row.bias)
+        flagged = [layer.module for layer in self.layers if layer.flagged]
+        absorbable = [layer.module for layer in self.layers if layer.absorbable]
+        return [
+            f"bias parameters: {self.share()}",
+            "bias-free: yes"
+            if self.bias_free
+            else f"bias-free: no ({self.bias_parameters:,} bias parameters in "
+            f"{bias_tensors} module(s))",
+            f"origin: {self.origin.note}",
+            f"absorbable exactly by a constant input feature: {_names(absorbable)}",
+            f"no bias and no shift source (flagged): {_names(flagged)}",
+            f"order: {self.order}",
+            *([f"input: {self.input_note}"] if self.input_note else []),
+        ]
+
+    def tables(self) -> list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]]:
+        """``(title, header, rows)`` of the parameter, layer and activation tables, as text."""
+        parameters = [
+            (
+                r.module or "<model>",
+                r.kind,
+                f"{r.bias:,}",
+                f"{r.total:,}",
+                _percent(r.bias, r.total),
+            )
+            for r in self.parameters
+        ]
+        parameters.append(
+            (
+                "total",
+                "",
+                f"{self.bias_parameters:,}",
+                f"{self.total_parameters:,}",
+                _percent(self.bias_parameters, self.total_parameters),
+            )
+        )
+        layers = [
+            (
+                layer.module or "<model>",
+                layer.kind,
+                "yes" if layer.bias else "no",
+                ", ".join(f or "<model>" for f in layer.followed_by) or "-",
+                _verdict(layer),
+                layer.note,
+            )
+            for layer in self.layers
+        ]
+        activations = [
+            (
+                a.module or "<model>",
+                a.activation,
+                "-" if a.expected is None else f"{a.expected:.6f}",
+                "-" if a.measured is None else f"{a.measured:.6f}",
+                a.note,
+            )
+            for a in self.activations
+        ]
+        return [
+            ("Parameters", ("module", "layer", "bias", "parameters", "bias share"), parameters),
+            (
+                "Layers",
+                ("module", "layer", "bias", "followed by", "verdict", "why"),
+                layers,
+            ),
+            (
+                "Activations",
+                ("module", "activation", "E[out(z)], z~N(0,1)", "mean on input", "note"),
+                activations,
+            ),
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-compatible: every field, and the totals and share line."""
+        return {
+            "bias_parameters": self.bias_parameters,
+            "total_parameters": self.total_parameters,
+            "share": self.share(),
+            "bias_free": self.bias_free,
+            **asdict(self),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BiasAudit:
+        """The audit :meth:`to_dict` described (the derived keys are ignored)."""
+        return cls(
+            parameters=tuple(ParameterCount(**row) for row in data["parameters"]),
+            origin=Origin(**data["origin"]),
+            order=data["order"],
+            layers=tuple(
+                Layer(**{**row, "followed_by": tuple(row["followed_by"])}) for row in data["layers"]
+            ),
+            activations=tuple(Activation(**row) for row in data["activations"]),
+            input_note=data.get("input_note", ""),
+        )
+
+
+def audit(
+    model: nn.Module,
+    example_input: Any = None,
+    *,
+    draws: int = DEFAULT_DRAWS,
+    seed: int = 0,
+    input_note: str = "",
+) -> BiasAudit:
+    """Audit the biases of ``model``, leaving it, its mode and the random state as they were.
+
+    Args:
+        model: any module.
+        example_input: what ``model(example_input)`` takes (a tensor, or a tuple, list or dict
+            of them). With it, one forward (no gradients; train/eval flags, buffers and random
+            state restored) traces the data flow and measures the mean output of every
+            activation module, another finds activations called as functions, and the origin
+            check evaluates f at the input's zero. Without it, the parameter counts and the
+            registration-order structure only.
+        draws: random weight draws of the origin check.
+        seed: seed of the origin check's own ``torch.Generator``.
+        input_note: where ``example_input`` came from, kept with the result.
+
+    Returns:
+        The :class:`BiasAudit`.
+
+    Raises:
+        DynamicsError: ``draws`` < 1, or the forward on ``example_input`` fails.
+    """
+    if draws < 1:
+        raise DynamicsError(f"draws must be at least 1, got {draws}")
+    units = _units(model)
+    traced = example_input is not None
+    flow = _trace(model, units, example_input) if traced else _registered(units)
+    functional = functional_activations(model, example_input) if traced else []
+    return BiasAudit(
+        parameters=_parameters(model),
+        origin=_origin(model, example_input, draws, seed),
+        order=TRACED if traced else REGISTERED,
+        layers=tuple(_layer(name, units, flow, traced) for name in units if _is_layer(units[name])),
+        activations=_activations(units, flow, traced, functional),
+        input_note=input_note,
+    )
+
+
+def forward_input(module: nn.Module, batch: Any) -> Any:
+    """The input ``module``'s own forward gets when the loss rule (:mod:`dynamics.loss_rule`)
+    takes its loss on ``batch``: how a LightningModule's training batch becomes an example input.
+
+    The pass runs without gradients; flags, buffers and random state are restored.
+
+    Raises:
+        DynamicsError: the loss cannot be taken on ``batch``, or the pass never calls
+            ``module``'s forward, or calls it with other than one positional argument.
+    """
+    calls: list[tuple[tuple, dict]] = []
+    name = type(module).__name__
+    handle = module.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True
+    )
+    try:
+        with side_effect_free(module), torch.no_grad():
+            module_loss(module, batch)
+    except Exception as error:  # any failure of user code: no input to audit with
+        raise DynamicsError(f"the loss of {name} on the batch failed: {one_line(error)}") from None
+    finally:
+        handle.remove()
+    if not calls:
+        raise DynamicsError(f"the loss of {name} on the batch never calls {name}.forward")
+    args, kwargs = calls[0]
+    if len(args) != 1 or kwargs:
+        raise DynamicsError(
+            f"{name}.forward was called with {len(args)} positional and {len(kwargs)} keyword "
+            "argument(s); the audit passes one input"
+        )
+    return args[0]
+
+
+@dataclass
+class _Flow:
+    """What the forward (or the registration order) says about the layers."""
+
+    order: list[str] = field(default_factory=list)  # units, first call first
+    followers: dict[str, list[str]] = field(default_factory=dict)
+    readers: set[str] = field(default_factory=set)  # units reading the example input
+    sums: dict[str, list[float]] = field(default_factory=dict)  # activation: [sum, count]
+
+
+def _units(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules the audit looks at, by path: leaves, and the attention and shifted
+    activations whole (their submodules are their own business: ``MultiheadAttention`` calls
+    ``out_proj``'s weight functionally, a shifted activation's φ is part of it)."""
+    units: dict[str, nn.Module] = {}
+    wholes: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{w}.") or not w for w in wholes):
+            continue
+        if isinstance(module, (nn.MultiheadAttention, ShiftedActivation)):
+            wholes.append(name)
+            units[name] = module
+        elif next(module.children(), None) is None:
+            units[name] = module
+    return units
+
+
+def _is_layer(module: nn.Module) -> bool:
+    return isinstance(module, LAYER_TYPES)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in flatten_batch(value)[1] if t.numel()]
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _trace(model: nn.Module, units: dict[str, nn.Module], example_input: Any) -> _Flow:
+    flow = _Flow()
+    inputs = {_storage(t): t._version for t in _tensors(example_input)}
+    producers: dict[int, tuple[str, int]] = {}  # storage -> (unit, version it left)
+    arguments: list[dict[int, int]] = []  # storage -> version, per call in progress
+    kept: list[torch.Tensor] = []  # alive until the end: no storage is reused mid-pass
+
+    def before(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if name not in flow.followers:
+                flow.order.append(name)
+                flow.followers[name] = []
+            tensors = _tensors((args, kwargs))
+            kept.extend(tensors)
+            for t in tensors:
+                key = _storage(t)
+                if inputs.get(key) == t._version:
+                    flow.readers.add(name)
+                source, version = producers.get(key, (None, None))
+                if version == t._version and source != name:
+                    if name not in flow.followers[source]:
+                        flow.followers[source].append(name)
+            arguments.append({_storage(t): t._version for t in tensors})
+
+        return hook
+
+    def after(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            given = arguments.pop()
+            tensors = _tensors(output)
+            kept.extend(tensors)
+            for t in tensors:
+                key = _storage(t)
+                if given.get(key) == t._version or producers.get(key, (0, -1))[1] == t._version:
+                    continue  # its input, or an earlier output, or a view of one, unchanged
+                source = name
+                if isinstance(module, _DropoutNd) and key not in given:
+                    # A mask scales, never shifts: what follows dropout follows its input.
+                    source = next(
+                        (
+                            producers[k][0]
+                            for k, v in given.items()
+                            if producers.get(k, (None, None))[1] == v
+                        ),
+                        name,
+                    )
+                producers[key] = (source, t._version)
+            if name in flow.sums:
+                total = flow.sums[name]
+                for t in tensors:
+                    if t.is_floating_point():
+                        total[0] += float(t.double().sum())
+                        total[1] += t.numel()
+
+        return hook
+
+    for name, module in units.items():
+        if isinstance(module, (*EXPECTED_TYPES, *MEASURED_TYPES, ShiftedActivation)):
+            flow.sums[name] = [0.0, 0]
+    try:
+        with _hooks(units, before, after), side_effect_free(model), torch.no_grad():
+            model(example_input)
+    except Exception as error:  # any failure of user code: the example input does not fit
+        raise DynamicsError(
+            f"the forward of {type(model).__name__} on the example input failed: {one_line(error)}"
+        ) from None
+    return flow
+
+
+@contextmanager
+def _hooks(units: dict[str, nn.Module], before, after) -> Iterator[None]:
+    handles = [
+        handle
+        for name, module in units.items()
+        for handle in (
+            module.register_forward_pre_hook(before(name), with_kwargs=True),
+            module.register_forward_hook(after(name), with_kwargs=True),
+        )
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _registered(units: dict[str, nn.Module]) -> _Flow:
+    names = list(units)
+    flow = _Flow(order=names)
+    flow.followers = {name: names[i + 1 : i + 2] for i, name in enumerate(names)}
+    first = next((name for name in names if _is_layer(units[name])), None)
+    flow.readers = {first} if first is not None else set()
+    return flow
+
+
+def _parameters(model: nn.Module) -> tuple[ParameterCount, ...]:
+    rows = []
+    for name, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if own:
+            bias = sum(p.numel() for n, p in own if is_bias(n))
+            rows.append(
+                ParameterCount(name, type(module).__name__, bias, sum(p.numel() for _, p in own))
+            )
+    return tuple(rows)
+
+
+def _has_bias(module: nn.Module) -> bool:
+    return any(is_bias(n.rpartition(".")[2]) and p.numel() for n, p in module.named_parameters())
+
+
+def _learned_shift(norm: nn.Module) -> bool:
+    return isinstance(getattr(norm, "bias", None), nn.Parameter)
+
+
+def _layer(name: str, units: dict[str, nn.Module], flow: _Flow, traced: bool) -> Layer:
+    module = units[name]
+    followers = tuple(flow.followers.get(name, ()))
+    called = name in flow.followers
+    row = dict(module=name, kind=type(module).__name__, followed_by=followers)
+    if _has_bias(module):
+        absorbable, note = _absorption(module, name in flow.readers)
+        return Layer(
+            **row, bias=True, absorbable=absorbable, shift_source=None, flagged=False, note=note
+        )
+    norms = [f for f in followers if isinstance(units[f], NORM_TYPES)]
+    shifted = [f for f in norms if _learned_shift(units[f])]
+    if shifted:
+        source = shifted[0]
+        if isinstance(units[source], _NormBase):
+            note = f"a bias here would be redundant: {source} removes any per-channel constant"
+        else:
+            note = (
+                f"{source}'s learned shift follows (a bias here would not be exactly redundant: "
+                f"{source} removes only its mean over the normalized features)"
+            )
+        return Layer(
+            **row, bias=False, absorbable=None, shift_source=source, flagged=False, note=note
+        )
+    if traced and not called:
+        note = "not called by the forward on the example input: no verdict"
+        return Layer(
+            **row, bias=False, absorbable=None, shift_source=None, flagged=False, note=note
+        )
+    if norms:
+        note = f"{norms[0]} follows but has no learned shift"
+    elif traced and not followers:
+        note = "no normalization follows (its output goes to functional code or out)"
+    else:
+        note = "no normalization with a learned shift follows"
+    return Layer(**row, bias=False, absorbable=None, shift_source=None, flagged=True, note=note)
+
+
+def _absorption(module: nn.Module, reads_input: bool) -> tuple[bool, str]:
+    """Whether a constant input feature could replace ``module``'s bias exactly, and why."""
+    if not reads_input:
+        return False, "reads a hidden state, which has no constant coordinate to multiply"
+    if isinstance(module, _ConvNd) and module.padding_mode == "zeros" and _pads(module):
+        return False, "reads the input, but zero padding makes a constant channel 0 at the borders"
+    if isinstance(module, nn.RNNBase) and module.num_layers > 1:
+        return False, "layer 0's biases only; later layers read hidden states"
+    if isinstance(module, nn.MultiheadAttention):
+        return False, "the input projection's bias only; out_proj reads the attention output"
+    return True, "reads the input: a constant input feature and one more weight column"
+
+
+def _pads(conv: _ConvNd) -> bool:
+    if isinstance(conv.padding, str):
+        return conv.padding != "valid"
+    return any(conv.padding)
+
+
+def _origin(model: nn.Module, example_input: Any, draws: int, seed: int) -> Origin:
+    def skipped(why: str) -> Origin:
+        return Origin(False, 0, None, None, f"not checked ({why})")
+
+    if example_input is None:
+        return skipped("no example input")
+    tree, leaves = flatten_batch(example_input)
+    if not leaves or not all(t.is_floating_point() for t in leaves):
+        return skipped("the input is not all floating point, so it has no origin (token ids)")
+    try:
+        zero = unflatten_batch(tree, [torch.zeros_like(t) for t in leaves])
+        twin = copy.deepcopy(model)
+    except Exception as error:  # an unsupported batch type, a module that cannot be copied
+        return skipped(f"cannot copy the model and zero its input: {one_line(error)}")
+    generator = torch.Generator().manual_seed(seed)
+    norms = []
+    with side_effect_free(twin, "eval"), torch.no_grad():
+        for _ in range(draws):
+            for p in twin.parameters():
+                fan_in = p[0].numel() if p.dim() >= 2 else 0
+                draw = torch.randn(p.shape, generator=generator, dtype=torch.float64)
+                p.copy_(draw / math.sqrt(fan_in) if fan_in else draw)
+            try:
+                output = _tensors(twin(zero))
+            except Exception as error:  # any failure of user code at the zero input
+                return skipped(f"the forward at the zero input failed: {one_line(error)}")
+            floats = [t for t in output if t.is_floating_point()]
+            if not floats:
+                return skipped("the output holds no floating-point tensor")
+            norms.append(math.sqrt(sum(float(t.double().square().sum()) for t in floats)))
+    nonzero = sum(1 for n in norms if n != 0)
+    how = f"random weight draws (seed {seed}, eval mode, on a copy)"
+    if not nonzero:
+        note = f"f(0) = 0 in all {draws} {how}: the origin maps to the origin"
+    else:
+        note = f"‖f(0)‖ > 0 in {nonzero} of {draws} {how}, largest {max(norms):.4g}"
+    return Origin(True, draws, nonzero == 0, max(norms), note)
+
+
+def _activations(
+    units: dict[str, nn.Module], flow: _Flow, traced: bool, functional: list[tuple[str, str]]
+) -> tuple[Activation, ...]:
+    rows = []
+    for name, total in flow.sums.items():
+        expected, note = _expected(units[name])
+        measured = total[0] / total[1] if total[1] else None
+        if not traced:
+            note = "; ".join(filter(None, [note, "not measured: no example input"]))
+        elif measured is None:
+            note = "; ".join(filter(None, [note, "not called by the forward"]))
+        module = units[name]
+        label = f"{type(module).__name__}({module.extra_repr()})"  # one line, unlike repr
+        rows.append(Activation(name, label, expected, measured, note))
+    rows += [
+        Activation(
+            where, function, None, None, f"not measured (functional call at {where or '<model>'})"
+        )
+        for where, function in functional
+    ]
+    return tuple(rows)
+
+
+def _expected(module: nn.Module) -> tuple[float | None, str]:
+    """E[out(z)], z ~ N(0, 1), of an activation module, or ``None`` and why not."""
+    if isinstance(module, MEASURED_TYPES):
+        return None, "E[φ(z)] not computed (learned slope or kinks away from 0)"
+    if not isinstance(module, ShiftedActivation):
+        return expected_value(module), ""
+    if module.shift == "adaptive":
+        return None, f"adaptive: each sample's mean over dim {module.dim} is 0"
+    if module.shift == "expected":
+        return 0.0, f"c = E[φ(z)] = {module.constant:.6f} subtracted"
+    try:
+        return expected_value(module.phi) - module.constant, ""
+    except Exception as error:  # a φ that cannot run on float64
+        return None, f"E[φ(z)] not computed: {one_line(error)}"
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part:,} of {whole:,} = {_percent(part, whole)}"
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.2f} %" if whole else "-"
+
+
+def _verdict(layer: Layer) -> str:
+    if layer.bias:
+        return "absorbable" if layer.absorbable else "not absorbable"
+    if layer.shift_source:
+        return "sound"
+    return "FLAGGED" if layer.flagged else "-"
+
+
+def _names(modules: list[str]) -> str:
+    return ", ".join(m or "<model>" for m in modules) or "none"
