@@ -4,6 +4,7 @@
 ``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
 """
 
+from dynamics.callbacks.bias_audit import BiasAudit
 from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.gradient_plane import GradientPlane
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
@@ -16,6 +17,7 @@ from dynamics.callbacks.recorder import DynamicsRecorder
 from dynamics.callbacks.training_loss import TrainingLoss
 
 __all__ = [
+    "BiasAudit",
     "DynamicsRecorder",
     "GradientPlane",
     "HessianSpectrum",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynamics.bias import BiasAudit, audit
-from dynamics.bias.audit import forward_input
+from dynamics.bias.audit import audit_batch, forward_input
 from dynamics.errors import DynamicsError
 
 
@@ -234,5 +234,36 @@ def test_bad_input_one_clear_error():
 def test_forward_input_is_what_the_training_step_passes_to_forward(small_cnn):
     module = small_cnn()
     x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))
-    assert forward_input(module, (x, y)) is x
+    assert forward_input(module, (x, y)) == ("", x)
     assert layer(audit(module, x), "features.0").absorbable is False  # zero padding
+
+
+def test_forward_input_finds_the_network_a_loss_calls():
+    from dynamics.experiments.teacher_student import TeacherStudentModule
+
+    module = TeacherStudentModule(width=8, expansion=2, depth=1)
+    x = torch.randn(4, 8)
+    path, given = forward_input(module, (x, torch.zeros(4, 8)))
+    assert (path, given) == ("student", x)
+    result = audit_batch(module, (x, torch.zeros(4, 8)), source="a batch")
+    assert result.input_note == "a batch, into student, which holds all the parameters"
+    held = sum(p.numel() for p in module.parameters())
+    assert result.order.startswith("traced") and result.total_parameters == held == 296
+
+
+class EncoderHead(nn.Module):
+    """A loss pass that calls two networks in turn: no one network holds every parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def dynamics_loss(self, batch):
+        return self.head(self.encoder(batch)).sum()
+
+
+def test_audit_batch_refuses_to_trace_part_of_a_model():
+    result = audit_batch(EncoderHead(), torch.randn(2, 3))
+    assert result.order.startswith("registration") and result.total_parameters == 26
+    assert "encoder first, which holds 16 of the module's 26 parameters" in result.input_note

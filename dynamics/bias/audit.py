@@ -327,37 +327,100 @@ def audit(
     )
 
 
-def forward_input(module: nn.Module, batch: Any) -> Any:
-    """The input ``module``'s own forward gets when the loss rule (:mod:`dynamics.loss_rule`)
-    takes its loss on ``batch``: how a LightningModule's training batch becomes an example input.
+def audit_batch(
+    module: nn.Module,
+    batch: Any,
+    *,
+    draws: int = DEFAULT_DRAWS,
+    seed: int = 0,
+    source: str = "a training batch",
+) -> BiasAudit:
+    """:func:`audit` of a module that takes training batches (a LightningModule), with the
+    example input the loss rule's pass on ``batch`` gives its network (:func:`forward_input`).
 
-    The pass runs without gradients; flags, buffers and random state are restored.
+    The network is audited when it holds all of ``module``'s parameters (``module`` itself, or
+    a wrapped ``self.student``); otherwise (``self.head(self.encoder(x))``: no one network to
+    trace), or when the batch gives no input, ``module`` is audited without an example input,
+    and the result's ``input_note`` says why.
+
+    Args:
+        module: the module.
+        batch: one of its training batches.
+        draws: random weight draws of the origin check.
+        seed: seed of the origin check's generator.
+        source: where ``batch`` came from, for ``input_note``.
+    """
+    try:
+        path, example = forward_input(module, batch)
+    except DynamicsError as error:
+        return audit(module, None, draws=draws, seed=seed, input_note=f"none ({error})")
+    network = module.get_submodule(path)
+    held, total = (sum(p.numel() for p in m.parameters()) for m in (network, module))
+    if held < total:
+        note = (
+            f"none (the loss pass calls {path} first, which holds {held:,} of the module's "
+            f"{total:,} parameters: no one network to trace)"
+        )
+        return audit(module, None, draws=draws, seed=seed, input_note=note)
+    note = source + (f", into {path}, which holds all the parameters" if path else "")
+    return audit(network, example, draws=draws, seed=seed, input_note=note)
+
+
+def forward_input(module: nn.Module, batch: Any) -> tuple[str, Any]:
+    """The network a loss pass on ``batch`` runs, and its input: how a LightningModule's
+    training batch becomes an example input.
+
+    The loss rule (:mod:`dynamics.loss_rule`) takes ``module``'s loss on ``batch`` once (no
+    gradients; flags, buffers and random state restored). The network is the first module the
+    pass calls from outside any other module's forward: ``module`` itself when the training
+    step calls ``self(x)``, else the submodule it calls (``self.student(x)``).
+
+    Returns:
+        ``(path, input)``: the network's module path (``""``: ``module``) and the one argument
+        its forward got.
 
     Raises:
-        DynamicsError: the loss cannot be taken on ``batch``, or the pass never calls
-            ``module``'s forward, or calls it with other than one positional argument.
+        DynamicsError: the loss cannot be taken on ``batch``, no module is called, or the
+            first call has other than one positional argument.
     """
-    calls: list[tuple[tuple, dict]] = []
+    calls: list[tuple[nn.Module, tuple, dict]] = []
+    depth = [0]
     name = type(module).__name__
-    handle = module.register_forward_pre_hook(
-        lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True
-    )
+
+    def enter(m: nn.Module, args: tuple, kwargs: dict) -> None:
+        if depth[0] == 0:
+            calls.append((m, args, kwargs))
+        depth[0] += 1
+
+    def leave(m: nn.Module, args: tuple, output: Any) -> None:
+        depth[0] -= 1
+
+    handles = [
+        handle
+        for m in module.modules()
+        for handle in (
+            m.register_forward_pre_hook(enter, with_kwargs=True),
+            m.register_forward_hook(leave),
+        )
+    ]
     try:
         with side_effect_free(module), torch.no_grad():
             module_loss(module, batch)
     except Exception as error:  # any failure of user code: no input to audit with
         raise DynamicsError(f"the loss of {name} on the batch failed: {one_line(error)}") from None
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if not calls:
-        raise DynamicsError(f"the loss of {name} on the batch never calls {name}.forward")
-    args, kwargs = calls[0]
+        raise DynamicsError(f"the loss of {name} on the batch calls no module")
+    network, args, kwargs = calls[0]
+    path = next(n for n, m in module.named_modules() if m is network)
     if len(args) != 1 or kwargs:
         raise DynamicsError(
-            f"{name}.forward was called with {len(args)} positional and {len(kwargs)} keyword "
+            f"{path or name} was called with {len(args)} positional and {len(kwargs)} keyword "
             "argument(s); the audit passes one input"
         )
-    return args[0]
+    return path, args[0]
 
 
 @dataclass
