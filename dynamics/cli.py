@@ -220,6 +220,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "file: its stored probe batch, when it has one)",
     )
     audit.add_argument(
+        "--vocab",
+        type=int,
+        metavar="V",
+        help="with --input-shape: token ids drawn uniformly from 0..V-1 instead (language models)",
+    )
+    audit.add_argument(
         "--draws", type=int, help="random weight draws of the origin check (default 5)"
     )
     audit.add_argument("--json", action="store_true", help="machine-readable output")
@@ -466,6 +472,10 @@ def _audit(args: argparse.Namespace) -> int:
 
     shape = _shape(args.input_shape)
     init_args = _json_object(args.init_args, "--init-args")
+    if args.vocab is not None and (args.vocab < 1 or shape is None):
+        raise DynamicsError(
+            f"--vocab must be at least 1 and go with --input-shape, got {args.vocab}"
+        )
     if args.draws is not None and args.draws < 1:
         raise DynamicsError(f"--draws must be at least 1, got {args.draws}")
     draws = {} if args.draws is None else {"draws": args.draws}
@@ -485,13 +495,18 @@ def _audit(args: argparse.Namespace) -> int:
     else:
         model = build_module(_class_spec(args.target), init_args)
     if shape is not None:
-        dtype = next(
-            (p.dtype for p in model.parameters() if p.is_floating_point()),
-            torch.get_default_dtype(),
-        )
         generator = torch.Generator().manual_seed(0)
-        example = torch.randn(shape, generator=generator, dtype=dtype)
-        note = f"N(0, 1) of shape {','.join(map(str, shape))} (--input-shape, seed 0)"
+        dims = ",".join(map(str, shape))
+        if args.vocab is not None:
+            example = torch.randint(0, args.vocab, shape, generator=generator)
+            note = f"token ids from 0..{args.vocab - 1} of shape {dims} (--vocab, seed 0)"
+        else:
+            dtype = next(
+                (p.dtype for p in model.parameters() if p.is_floating_point()),
+                torch.get_default_dtype(),
+            )
+            example = torch.randn(shape, generator=generator, dtype=dtype)
+            note = f"N(0, 1) of shape {dims} (--input-shape, seed 0)"
     if result is None:
         result = audit(model, example, input_note=note, **draws)
     if args.json:

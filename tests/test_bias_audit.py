@@ -76,8 +76,11 @@ def test_origin_of_an_lstm_follows_its_biases():
 
 def test_origin_is_not_checked_on_token_ids_or_without_input():
     embed = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
-    assert not audit(embed, torch.tensor([[1, 2]])).origin.checked
-    assert "no example input" in audit(embed).origin.note
+    traced, registered = audit(embed, torch.tensor([[1, 2]])), audit(embed)
+    assert not traced.origin.checked and "token ids have no origin" in traced.origin.note
+    assert "no example input" in registered.origin.note
+    # The embedding reads the input, in either order: the linear reads a hidden state.
+    assert layer(traced, "1").absorbable is False and layer(registered, "1").absorbable is False
 
 
 def test_origin_check_leaves_batchnorm_buffers_and_mode_alone():

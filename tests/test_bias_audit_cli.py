@@ -90,6 +90,17 @@ def test_audit_of_a_dotted_class_path(dynamics):
     assert "‖f(0)‖ > 0 in 2 of 2 random weight draws" in result.stdout
 
 
+def test_audit_of_a_language_model_on_token_ids(dynamics):
+    args = ("audit", "dynamics.models.CharGPT", "--init-args", '{"context": 8, "width": 16}')
+    result = dynamics(*args, "--input-shape", "2,8", "--vocab", "256", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["order"].startswith("traced") and not data["origin"]["checked"]
+    assert [row["module"] for row in data["layers"] if row["flagged"]] == ["head"]
+    floats = dynamics(*args, "--input-shape", "2,8")
+    assert floats.returncode == 2 and "indices" in floats.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -98,6 +109,7 @@ def test_audit_of_a_dotted_class_path(dynamics):
         (("torch.nn:Nope",), "has no Nope"),
         (("torch.nn.Tanh", "--input-shape", "2,x"), "--input-shape must be positive integers"),
         (("torch.nn.Tanh", "--draws", "0"), "--draws must be at least 1"),
+        (("torch.nn.Tanh", "--vocab", "5"), "--vocab must be at least 1 and go with"),
         (("torch.nn.Tanh", "--init-args", "[1]"), "--init-args must be a JSON object"),
         (("torch.nn.Tanh", "--model", "a:b"), "go with a run file"),
         (

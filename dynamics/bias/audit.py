@@ -11,7 +11,7 @@ code between two modules (a residual ``x + f(x)``, an activation called as ``F.g
 new tensor, so the module after it does not follow the layer: a normalization of
 ``x + proj(h)`` supplies no shift to ``proj`` alone. Without an example input the modules'
 registration order stands in for the forward's (the next module registered follows a layer; the
-first layer reads the input), and the result says so.
+first module reads the input), and the result says so.
 """
 
 from __future__ import annotations
@@ -552,8 +552,7 @@ def _registered(units: dict[str, nn.Module]) -> _Flow:
     names = list(units)
     flow = _Flow(order=names)
     flow.followers = {name: names[i + 1 : i + 2] for i, name in enumerate(names)}
-    first = next((name for name in names if _is_layer(units[name])), None)
-    flow.readers = {first} if first is not None else set()
+    flow.readers = set(names[:1])  # an embedding registered first reads the input, not a layer
     return flow
 
 
@@ -642,7 +641,7 @@ def _origin(model: nn.Module, example_input: Any, draws: int, seed: int) -> Orig
         return skipped("no example input")
     tree, leaves = flatten_batch(example_input)
     if not leaves or not all(t.is_floating_point() for t in leaves):
-        return skipped("the input is not all floating point, so it has no origin (token ids)")
+        return skipped("the input is not all floating point: token ids have no origin")
     try:
         zero = unflatten_batch(tree, [torch.zeros_like(t) for t in leaves])
         twin = copy.deepcopy(model)
