@@ -270,3 +270,14 @@ def test_audit_batch_refuses_to_trace_part_of_a_model():
     result = audit_batch(EncoderHead(), torch.randn(2, 3))
     assert result.order.startswith("registration") and result.total_parameters == 26
     assert "encoder first, which holds 16 of the module's 26 parameters" in result.input_note
+
+
+def test_tied_weights_count_once():
+    from dynamics.models import CharGPT
+
+    model = CharGPT(context=8, width=16, depth=1)
+    assert model.head.weight is model.tokens.weight
+    result = audit(model, torch.randint(0, 256, (2, 8)))
+    assert result.total_parameters == sum(p.numel() for p in model.parameters()) == 7536
+    assert "head" not in [row.module for row in result.parameters]  # its one weight is tied
+    assert layer(result, "head").flagged  # the layer is still there, without a bias

@@ -557,9 +557,12 @@ def _registered(units: dict[str, nn.Module]) -> _Flow:
 
 
 def _parameters(model: nn.Module) -> tuple[ParameterCount, ...]:
-    rows = []
+    """One row per module holding parameters; a tied parameter (an output layer sharing the
+    embedding's weight) counts once, at the first module holding it, as ``parameters()``."""
+    rows, seen = [], set()
     for name, module in model.named_modules():
-        own = list(module.named_parameters(recurse=False))
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        seen |= {id(p) for _, p in own}
         if own:
             bias = sum(p.numel() for n, p in own if is_bias(n))
             rows.append(
