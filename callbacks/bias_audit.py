@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dynamics.bias.audit import DEFAULT_DRAWS, SETTINGS_KEY, audit_batch
+from dynamics.bias.audit import DEFAULT_DRAWS, audit_batch
+from dynamics.bias_audit_result import SETTINGS_KEY
 from dynamics.callbacks.probe import Probe
 from dynamics.errors import DynamicsError
 

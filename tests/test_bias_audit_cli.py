@@ -4,6 +4,9 @@ the ``BiasAudit`` probe under the probe contract, and its section in ``dynamics 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -170,7 +173,14 @@ def test_report_has_a_bias_audit_section_only_when_recorded(
     audited_run, tmp_path, quiet_trainer, dynamics
 ):
     out = tmp_path / "report.html"
-    assert dynamics("report", audited_run, "-o", out).returncode == 0
+    # As every offline page, without importing torch.
+    argv = ["report", str(audited_run), "-o", str(out)]
+    script = f"from dynamics.cli import main\nassert main({argv!r}) == 0"
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", script], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not re.findall(r"\|\s+torch$", result.stderr, re.M)
     page = out.read_text()
     assert "<h3>Bias audit</h3>" in page and "bias parameters: 64 of 592 = 10.81 %" in page
     plain = tmp_path / "plain.h5"
