@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SETTINGS_KEY", "Activation", "BiasAudit", "Layer", "Origin", "ParameterCount"]
+__all__ = ["SETTINGS_KEY", "Activation", "AuditResult", "Layer", "Origin", "ParameterCount"]
 
 #: Key of the audit in a probe's settings in a run file.
 SETTINGS_KEY = "bias_audit"
@@ -103,8 +103,19 @@ class Activation:
 
 
 @dataclass(frozen=True)
-class BiasAudit:
-    """What :func:`audit` found; ``lines()`` and ``tables()`` render it, ``to_dict()`` as JSON."""
+class AuditResult:
+    """What :func:`dynamics.bias.audit` found; ``lines()`` and ``tables()`` render it,
+    ``to_dict()`` gives it as JSON and ``from_dict()`` takes it back.
+
+    Attributes:
+        parameters: one row per module holding parameters.
+        origin: the origin check.
+        order: what "followed by" and "reads the input" were decided from (a traced forward,
+            or the registration order).
+        layers: one row per layer that can carry a bias.
+        activations: one row per activation module, then per functional activation call.
+        input_note: where the example input came from, or why there was none.
+    """
 
     parameters: tuple[ParameterCount, ...]
     origin: Origin
@@ -215,7 +226,7 @@ class BiasAudit:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> BiasAudit:
+    def from_dict(cls, data: Mapping[str, Any]) -> AuditResult:
         """The audit :meth:`to_dict` described (the derived keys are ignored)."""
         return cls(
             parameters=tuple(ParameterCount(**row) for row in data["parameters"]),

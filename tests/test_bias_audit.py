@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynamics.bias import BiasAudit, audit
+from dynamics.bias import AuditResult, audit
 from dynamics.bias.audit import audit_batch, forward_input
 from dynamics.errors import DynamicsError
 
@@ -28,7 +28,7 @@ def state(model: nn.Module) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def layer(result: BiasAudit, module: str):
+def layer(result: AuditResult, module: str):
     return next(row for row in result.layers if row.module == module)
 
 
@@ -224,7 +224,7 @@ def test_dict_round_trip_through_json():
     result = audit(seed_mlp(bias=False), torch.randn(2, 784))
     data = json.loads(json.dumps(result.to_dict()))
     assert data["share"] == "0 of 566,528 = 0.00 %" and data["bias_free"]
-    assert BiasAudit.from_dict(data) == result
+    assert AuditResult.from_dict(data) == result
 
 
 def test_bad_input_one_clear_error():
@@ -238,7 +238,9 @@ def test_forward_input_is_what_the_training_step_passes_to_forward(small_cnn):
     module = small_cnn()
     x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))
     assert forward_input(module, (x, y)) == ("", x)
-    assert layer(audit(module, x), "features.0").absorbable is False  # zero padding
+    first = layer(audit(module, x), "features.0")
+    assert first.absorbable is False and "zero padding" in first.note
+    assert first.note.endswith("redundant: features.1 removes any per-channel constant")
 
 
 def test_forward_input_finds_the_network_a_loss_calls():
@@ -281,3 +283,17 @@ def test_tied_weights_count_once():
     assert result.total_parameters == sum(p.numel() for p in model.parameters()) == 7536
     assert "head" not in [row.module for row in result.parameters]  # its one weight is tied
     assert layer(result, "head").flagged  # the layer is still there, without a bias
+
+
+def test_the_redundancy_notes_hold_by_direct_evaluation():
+    """BatchNorm removes a per-channel bias before it exactly; LayerNorm only its mean."""
+    torch.manual_seed(0)
+    x, b = torch.randn(8, 6), torch.randn(4)
+    linear = nn.Linear(6, 4, bias=False)
+    for norm, exact in ((nn.BatchNorm1d(4).train(), True), (nn.LayerNorm(4), False)):
+        with torch.no_grad():
+            same = torch.allclose(norm(linear(x) + b), norm(linear(x)), atol=1e-5)
+        assert same is exact
+        result = audit(nn.Sequential(linear, norm), x)
+        assert layer(result, "0").shift_source == "1"
+        assert ("not be exactly redundant" in layer(result, "0").note) is not exact

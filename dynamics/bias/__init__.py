@@ -3,11 +3,11 @@
 from dynamics.bias.audit import audit
 from dynamics.bias.init import BiasSet, init_biases
 from dynamics.bias.shift import ShiftRow, ShiftTable, shift_activations
-from dynamics.bias_audit_result import Activation, BiasAudit, Layer, Origin, ParameterCount
+from dynamics.bias_audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
 
 __all__ = [
     "Activation",
-    "BiasAudit",
+    "AuditResult",
     "BiasSet",
     "Layer",
     "Origin",

@@ -33,7 +33,7 @@ from dynamics.activations import ShiftedActivation, expected_value
 from dynamics.batch_tree import flatten_batch, unflatten_batch
 from dynamics.bias.init import is_bias
 from dynamics.bias.shift import ACTIVATION_MODULES, functional_activations
-from dynamics.bias_audit_result import Activation, BiasAudit, Layer, Origin, ParameterCount
+from dynamics.bias_audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
 from dynamics.errors import DynamicsError, one_line
 from dynamics.isolation import side_effect_free
 from dynamics.loss_rule import module_loss
@@ -76,7 +76,7 @@ def audit(
     draws: int = DEFAULT_DRAWS,
     seed: int = 0,
     input_note: str = "",
-) -> BiasAudit:
+) -> AuditResult:
     """Audit the biases of ``model``, leaving it, its mode and the random state as they were.
 
     Args:
@@ -92,7 +92,7 @@ def audit(
         input_note: where ``example_input`` came from, kept with the result.
 
     Returns:
-        The :class:`BiasAudit`.
+        The :class:`AuditResult`.
 
     Raises:
         DynamicsError: ``draws`` < 1, or the forward on ``example_input`` fails.
@@ -103,7 +103,7 @@ def audit(
     traced = example_input is not None
     flow = _trace(model, units, example_input) if traced else _registered(units)
     functional = functional_activations(model, example_input) if traced else []
-    return BiasAudit(
+    return AuditResult(
         parameters=_parameters(model),
         origin=_origin(model, example_input, draws, seed),
         order=TRACED if traced else REGISTERED,
@@ -120,7 +120,7 @@ def audit_batch(
     draws: int = DEFAULT_DRAWS,
     seed: int = 0,
     source: str = "a training batch",
-) -> BiasAudit:
+) -> AuditResult:
     """:func:`audit` of a module that takes training batches (a LightningModule), with the
     example input the loss rule's pass on ``batch`` gives its network (:func:`forward_input`).
 
@@ -370,12 +370,15 @@ def _layer(name: str, units: dict[str, nn.Module], flow: _Flow, traced: bool) ->
     followers = tuple(flow.followers.get(name, ()))
     called = name in flow.followers
     row = dict(module=name, kind=type(module).__name__, followed_by=followers)
+    norms = [f for f in followers if isinstance(units[f], NORM_TYPES)]
     if _has_bias(module):
         absorbable, note = _absorption(module, name in flow.readers)
+        cancelling = [f for f in norms if isinstance(units[f], _NormBase)]
+        if cancelling:
+            note += f"; redundant: {cancelling[0]} removes any per-channel constant"
         return Layer(
             **row, bias=True, absorbable=absorbable, shift_source=None, flagged=False, note=note
         )
-    norms = [f for f in followers if isinstance(units[f], NORM_TYPES)]
     shifted = [f for f in norms if _learned_shift(units[f])]
     if shifted:
         source = shifted[0]
