@@ -297,3 +297,20 @@ def test_the_redundancy_notes_hold_by_direct_evaluation():
         result = audit(nn.Sequential(linear, norm), x)
         assert layer(result, "0").shift_source == "1"
         assert ("not be exactly redundant" in layer(result, "0").note) is not exact
+
+
+def test_attention_biases_count_by_name_and_the_layer_reads_its_input():
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0]
+
+    result = audit(Attention(), torch.randn(2, 3, 8))
+    # in_proj_bias (3 × 8) and out_proj.bias (8): every parameter named *bias.
+    assert [(r.module, r.bias) for r in result.parameters] == [("attn", 24), ("attn.out_proj", 8)]
+    (row,) = result.layers  # out_proj is the attention's own, called functionally inside it
+    assert row.module == "attn" and row.bias and row.absorbable is False
+    assert "input projection's bias only" in row.note
