@@ -3,10 +3,10 @@
 A section holds the run's loss, every recorded series drawn as its view says (one figure per
 group, :mod:`dynamics.analysis.run_views`), the dedicated views — overshoot verdicts of the
 hidden-state norms against the training loss, the Hessian's spectral density, the path on the
-plane of initial gradients — and what the run was (module class and init args, layout,
-optimizer, scheduler, precision, data, probes), its config and metadata. Standard groups a
-run did not record are listed, not drawn. The page comes from the kit of
-:mod:`dynamics.analysis.page`.
+plane of initial gradients, the bias audit when the run recorded one — and what the run was
+(module class and init args, layout, optimizer, scheduler, precision, data, probes), its config
+and metadata. Standard groups a run did not record are listed, not drawn. The page comes from
+the kit of :mod:`dynamics.analysis.page`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 
 from dynamics import __version__
+from dynamics.analysis.bias_audit import bias_audit_html, recorded_audit
 from dynamics.analysis.decoded_images import decoded_images, decoded_images_figure
 from dynamics.analysis.figures import (
     density_figure,
@@ -167,6 +168,9 @@ def _run_section(
     if missing:
         parts.append(f"<p class='note'>Not recorded: {html.escape(', '.join(missing))}.</p>")
     parts.append("<h3>Overshoot</h3>" + overshoot_html(overshoot))
+    audit = recorded_audit(run)
+    if audit is not None:  # recorded by the BiasAudit probe
+        parts.append("<h3>Bias audit</h3>" + bias_audit_html(audit))
     parts.append("<h3>Figures</h3>")
     parts += [figure_html(fig, first_figure + i) for i, (_, fig) in enumerate(figures)]
     parts.append("<h3>Run</h3>" + _metadata_html(run) + "</section>")

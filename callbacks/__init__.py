@@ -4,6 +4,7 @@
 ``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
 """
 
+from dynamics.callbacks.bias_audit import BiasAudit
 from dynamics.callbacks.bias_component import BiasComponent
 from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.gradient_plane import GradientPlane
@@ -18,6 +19,7 @@ from dynamics.callbacks.shift_activations import ShiftActivations
 from dynamics.callbacks.training_loss import TrainingLoss
 
 __all__ = [
+    "BiasAudit",
     "BiasComponent",
     "DynamicsRecorder",
     "GradientPlane",

@@ -197,6 +197,49 @@ def _build_parser() -> argparse.ArgumentParser:
     overshoot.add_argument("run", type=Path, metavar="RUN.h5")
     overshoot.add_argument("--json", action="store_true", help="machine-readable output")
     overshoot.set_defaults(handler=_overshoot)
+
+    audit = commands.add_parser(
+        "audit",
+        help="bias parameters, origin, absorption, shift sources and activation bias of a model",
+    )
+    audit.add_argument(
+        "target",
+        metavar="MODEL|RUN.h5",
+        help="a model class or factory (pkg.module:Class, path/to/file.py:Class or "
+        "pkg.module.Class), or a run file (its recorded model at θ0)",
+    )
+    audit.add_argument(
+        "--init-args",
+        metavar="JSON",
+        help="the class's init args (completing a run's recorded ones)",
+    )
+    audit.add_argument(
+        "--input-shape",
+        metavar="N,...",
+        help="example input: an N(0, 1) batch of this shape, e.g. 8,784 (default for a run "
+        "file: its stored probe batch, when it has one)",
+    )
+    audit.add_argument(
+        "--vocab",
+        type=int,
+        metavar="V",
+        help="with --input-shape: token ids drawn uniformly from 0..V-1 instead (language models)",
+    )
+    audit.add_argument(
+        "--draws", type=int, help="random weight draws of the origin check (default 5)"
+    )
+    audit.add_argument("--json", action="store_true", help="machine-readable output")
+    audit.add_argument(
+        "--model",
+        metavar="MODULE:NAME",
+        help="with a run file: build its model with this class or factory instead",
+    )
+    audit.add_argument(
+        "--trust-recorded-model",
+        action="store_true",
+        help="with a run file: import its recorded class even from outside the installed packages",
+    )
+    audit.set_defaults(handler=_audit)
     return parser
 
 
@@ -418,6 +461,92 @@ def _overshoot(args: argparse.Namespace) -> int:
         ],
     )
     return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    import torch
+
+    from dynamics.bias.audit import audit, audit_batch
+    from dynamics.rebuild import build_module, probe_batch, rebuild_module
+    from dynamics.store import open_run
+
+    shape = _shape(args.input_shape)
+    init_args = _json_object(args.init_args, "--init-args")
+    if args.vocab is not None and (args.vocab < 1 or shape is None):
+        raise DynamicsError(
+            f"--vocab must be at least 1 and go with --input-shape, got {args.vocab}"
+        )
+    if args.draws is not None and args.draws < 1:
+        raise DynamicsError(f"--draws must be at least 1, got {args.draws}")
+    draws = {} if args.draws is None else {"draws": args.draws}
+    example, note, result = None, "none (pass --input-shape)", None
+    if args.target.endswith(".h5"):
+        run = open_run(args.target)
+        model = rebuild_module(run, args.model, init_args, args.trust_recorded_model)
+        if shape is None:
+            try:  # the batch GradientPlane stored
+                batch = probe_batch(run)
+            except DynamicsError as error:
+                note = f"none ({error}); pass --input-shape"
+            else:
+                result = audit_batch(model, batch, source="the run's probe batch", **draws)
+    elif args.model or args.trust_recorded_model:
+        raise DynamicsError("--model and --trust-recorded-model go with a run file")
+    else:
+        model = build_module(_class_spec(args.target), init_args)
+    if shape is not None:
+        generator = torch.Generator().manual_seed(0)
+        dims = ",".join(map(str, shape))
+        if args.vocab is not None:
+            example = torch.randint(0, args.vocab, shape, generator=generator)
+            note = f"token ids from 0..{args.vocab - 1} of shape {dims} (--vocab, seed 0)"
+        else:
+            dtype = next(
+                (p.dtype for p in model.parameters() if p.is_floating_point()),
+                torch.get_default_dtype(),
+            )
+            example = torch.randn(shape, generator=generator, dtype=dtype)
+            note = f"N(0, 1) of shape {dims} (--input-shape, seed 0)"
+    if result is None:
+        result = audit(model, example, input_note=note, **draws)
+    if args.json:
+        print(json.dumps({"model": args.target, **result.to_dict()}, indent=2))
+        return 0
+    print(f"{args.target}  ({type(model).__name__})")
+    for line in result.lines():
+        print(f"  {line}")
+    for title, header, rows in result.tables():
+        print(f"\n{title}")
+        if rows:
+            _print_table(header, rows)
+        else:
+            print("  none")
+    return 0
+
+
+def _class_spec(target: str) -> str:
+    """``pkg.module:Class`` for ``pkg.module.Class`` (how run files name a class); other forms
+    as given."""
+    if ":" in target:
+        return target
+    module, _, name = target.rpartition(".")
+    if not module:
+        raise DynamicsError(
+            f"name the model as pkg.module:Class or path/to/file.py:Class, got {target!r}"
+        )
+    return f"{module}:{name}"
+
+
+def _shape(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise DynamicsError(f"--input-shape must be positive integers like 8,784, got {text!r}")
+    return shape
 
 
 def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:

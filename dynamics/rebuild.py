@@ -49,7 +49,7 @@ from torch import nn
 from dynamics.activations import ShiftedActivation
 from dynamics.batch_tree import unflatten_batch
 from dynamics.bias.shift import shift_activations
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, one_line
 from dynamics.params import load_state
 from dynamics.store import Run, names
 
@@ -128,17 +128,32 @@ def rebuild_module(
             )
     else:
         args = given
-    name = getattr(target, "__qualname__", repr(target))
-    try:
-        module = target(**args)
-    except Exception as error:  # any failure of user code means: cannot rebuild offline
-        raise DynamicsError(f"{run.path.name}: {name}(...) failed: {_one_line(error)}") from None
-    if not isinstance(module, nn.Module):
-        raise DynamicsError(f"{run.path.name}: {name}(...) returned {type(module).__name__}")
+    module = _built(target, args, f"{run.path.name}: ")
     # Before θ0 is loaded: a shifted activation holds its φ as a child, under another name.
     _replay_edits(run, module, given_model=bool(model))
     _load_theta0(run, module, args)
     _check_submodules(run, module)
+    return module
+
+
+def build_module(model: str, init_args: Mapping[str, Any] | None = None) -> nn.Module:
+    """The module that the class or factory ``model`` (``pkg.module:name`` or
+    ``path/to/file.py:name``, as ``--model``) builds from ``init_args``.
+
+    Raises:
+        DynamicsError: it cannot be imported or called, or returns no ``torch.nn.Module``.
+    """
+    return _built(_target(model), dict(init_args or {}), "")
+
+
+def _built(target: Any, args: Mapping[str, Any], where: str) -> nn.Module:
+    name = getattr(target, "__qualname__", repr(target))
+    try:
+        module = target(**args)
+    except Exception as error:  # any failure of user code means: cannot build it
+        raise DynamicsError(f"{where}{name}(...) failed: {one_line(error)}") from None
+    if not isinstance(module, nn.Module):
+        raise DynamicsError(f"{where}{name}(...) returned {type(module).__name__}")
     return module
 
 
@@ -359,10 +374,10 @@ def _recorded_class(run: Run, class_path: str, trusted: bool) -> Any:
             first_error = first_error or error
             continue
         except Exception as error:  # the user's module raised while importing
-            raise DynamicsError(f"importing {module_name} failed: {_one_line(error)}") from None
+            raise DynamicsError(f"importing {module_name} failed: {one_line(error)}") from None
         return _attribute(module, ".".join(parts[cut:]), class_path)
     raise DynamicsError(
-        f"{run.path.name}: cannot import model {class_path} ({_one_line(first_error)}); pass "
+        f"{run.path.name}: cannot import model {class_path} ({one_line(first_error)}); pass "
         f"--model path/to/file.py:{parts[-1]}"
     )
 
@@ -381,7 +396,7 @@ def _target(spec: str) -> Any:
             with _importable_working_directory():
                 module = importlib.import_module(location)
         except Exception as error:
-            raise DynamicsError(f"--model {spec}: {_one_line(error)}") from None
+            raise DynamicsError(f"--model {spec}: {one_line(error)}") from None
     target = _attribute(module, attribute, spec)
     if not callable(target):
         raise DynamicsError(f"--model {spec}: {attribute} is not a class or function")
@@ -405,7 +420,7 @@ def _module_from_file(path: Path, spec: str) -> Any:
     except (Exception, SystemExit) as error:
         del sys.modules[name]
         raise DynamicsError(
-            f"--model {spec}: running {path.name} failed: {_one_line(error)}"
+            f"--model {spec}: running {path.name} failed: {one_line(error)}"
         ) from None
     return module
 
@@ -430,8 +445,3 @@ def _importable_working_directory(*folders: Path) -> Iterator[None]:
     finally:
         for entry in added:
             sys.path.remove(entry)
-
-
-def _one_line(error: BaseException | None) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

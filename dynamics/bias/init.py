@@ -26,11 +26,17 @@ class BiasSet(NamedTuple):
     value: str
 
 
+def is_bias(name: str) -> bool:
+    """Whether a parameter's own name names a bias: ``bias``, ``bias_*`` (LSTM/GRU
+    ``bias_ih_l0``, attention's ``bias_k``) or ``*_bias`` (attention's ``in_proj_bias``)."""
+    return name == "bias" or name.startswith("bias_") or name.endswith("_bias")
+
+
 def _bias_parameters(
     model: nn.Module, include: Sequence[str] = (), exclude: Sequence[str] = ()
 ) -> list[tuple[str, str, nn.Parameter]]:
-    """Every bias parameter: named ``bias`` or ``bias_*`` (LSTM/GRU ``bias_ih_l0``, ...), of
-    the modules whose names match ``include`` (all when empty) and not ``exclude``."""
+    """Every bias parameter (:func:`is_bias`) of the modules whose names match ``include``
+    (all when empty) and not ``exclude``."""
     named = [name for name, _ in model.named_modules()]
     unmatched = [p for p in (*include, *exclude) if not matched(p, named)]
     if unmatched:
@@ -41,7 +47,7 @@ def _bias_parameters(
         if not (include and not glob_any(module_name, include))
         and not glob_any(module_name, exclude)
         for name, parameter in module.named_parameters(recurse=False)
-        if name == "bias" or name.startswith("bias_")
+        if is_bias(name)
     ]
     if not found:
         chosen = " among the modules the patterns choose" if include or exclude else ""
@@ -54,7 +60,7 @@ def zeros(
 ) -> list[BiasSet]:
     """Set every bias parameter to 0, the standard practice.
 
-    Every parameter named ``bias`` or ``bias_*``: linear, convolution, normalization and
+    Every parameter :func:`is_bias` names: linear, convolution, normalization and
     recurrent layers alike. ``include`` and ``exclude`` choose modules by name pattern, as
     :func:`~dynamics.bias.shift_activations` does (``*``: one segment, ``**``: any depth):
     ``exclude=["head"]`` leaves the output layer's bias alone.

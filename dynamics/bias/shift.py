@@ -182,6 +182,13 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), child, module)
 
 
+def functional_activations(model: nn.Module, example_input: Any) -> list[tuple[str, str]]:
+    """``(module path, function)`` of each activation function a forward of ``model`` on
+    ``example_input`` calls outside an activation module (no gradients; flags, buffers and
+    random state restored)."""
+    return [(row.module, row.activation) for row in _functional_calls(model, example_input, {})]
+
+
 def _functional_calls(
     model: nn.Module, example_input: Any, custom: Mapping[str, Callable]
 ) -> list[ShiftRow]:

@@ -1,0 +1,53 @@
+"""A probe that records the bias audit of the module at the fit's first batch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dynamics.bias.audit import DEFAULT_DRAWS, audit_batch
+from dynamics.bias_audit_result import SETTINGS_KEY
+from dynamics.callbacks.probe import Probe
+from dynamics.errors import DynamicsError
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+
+class BiasAudit(Probe):
+    """:func:`dynamics.bias.audit` of the module at θ0, stored with the probe's settings.
+
+    At the first training batch, the input the loss rule's pass on that batch gives the
+    module's network is the example input (:func:`dynamics.bias.audit.audit_batch`): the audit
+    traces the data flow on it, measures the activations' mean output and checks the origin.
+    Where the batch gives no such input (a forward with several arguments, a network split in
+    parts), the audit counts parameters in registration order and the run file says why.
+
+    It records no series: the audit is stored with the probe's settings, and ``dynamics
+    report`` shows it as a section. Side-effect free: every pass restores flags, buffers and
+    the random state, and the origin check runs on a copy with its own generator.
+
+    Args:
+        draws: random weight draws of the origin check.
+        seed: seed of the origin check's generator.
+    """
+
+    name = "bias_audit"
+
+    def __init__(self, draws: int = DEFAULT_DRAWS, seed: int = 0) -> None:
+        super().__init__(every_n_steps=1)
+        if draws < 1:
+            raise DynamicsError(f"draws must be at least 1, got {draws}")
+        self.draws = draws
+        self.seed = seed
+        self._audit: dict[str, Any] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        source = "the fit's first training batch"
+        result = audit_batch(pl_module, batch, draws=self.draws, seed=self.seed, source=source)
+        self._audit = result.to_dict()
+
+    def is_due(self, step: int) -> bool:
+        return False  # everything is measured at setup
+
+    def settings(self) -> dict[str, Any]:
+        return {"draws": self.draws, "seed": self.seed, SETTINGS_KEY: self._audit}
