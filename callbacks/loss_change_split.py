@@ -16,8 +16,21 @@ from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_change import LossChange, split_loss_change
 from dynamics.loss_rule import loss_at
 from dynamics.parameter_groups import Grouping, ParameterGroups, group_parameters
-from dynamics.store import names
-from dynamics.store.views import standard_view
+from dynamics.store import View, names
+
+#: How the series are drawn (declared with them: no file written before them needs a table).
+VIEWS = {
+    names.LOSS_CHANGE_TERMS: View(
+        "lines", "Loss change of one step per parameter group (probe batch)", "ΔL term"
+    ),
+    names.LOSS_CHANGE_SHARE: View(
+        "lines", "Cumulative share of the loss change per parameter group (Σ term / Σ ΔL)", "share"
+    ),
+    names.LOSS_CHANGE_DELTA: View("scalar", "Loss change of one step (probe batch)", "ΔL"),
+    names.LOSS_CHANGE_RELATIVE_RESIDUAL: View(
+        "scalar", "Quadrature residual of the split", "|Σ terms − ΔL| / |ΔL|", log_y=True
+    ),
+}
 
 
 class LossChangeSplit(Probe):
@@ -135,8 +148,7 @@ class LossChangeSplit(Probe):
 
         def spec(series: str, shape: tuple[int, ...] = (), dtype: str = "float64") -> SeriesSpec:
             columns = self.grouping.names if shape else None
-            view = standard_view(names.LOSS_CHANGE, series)
-            return SeriesSpec(shape, dtype, columns=columns, view=view)
+            return SeriesSpec(shape, dtype, columns=columns, view=VIEWS.get(series))
 
         groups = (len(self.grouping.names),)
         return {

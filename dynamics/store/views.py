@@ -43,20 +43,6 @@ STANDARD_VIEWS: dict[str, dict[str, View]] = {
             "scalar", "Gradient share in the top-k eigenspace", "‖P_k g‖² / ‖g‖²"
         ),
     },
-    names.LOSS_CHANGE: {
-        names.LOSS_CHANGE_TERMS: View(
-            "lines", "Loss change of one step per parameter group (probe batch)", "ΔL term"
-        ),
-        names.LOSS_CHANGE_SHARE: View(
-            "lines",
-            "Cumulative share of the loss change per parameter group (Σ term / Σ ΔL)",
-            "share",
-        ),
-        names.LOSS_CHANGE_DELTA: View("scalar", "Loss change of one step (probe batch)", "ΔL"),
-        names.LOSS_CHANGE_RELATIVE_RESIDUAL: View(
-            "scalar", "Quadrature residual of the split", "|Σ terms − ΔL| / |ΔL|", log_y=True
-        ),
-    },
 }
 
 
