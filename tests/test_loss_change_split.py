@@ -435,3 +435,47 @@ def test_bad_arguments_are_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="groups"):
         LossChangeSplit(groups=["bias"])
     assert issubclass(ProbeUnavailable, ValueError)
+
+
+LIGHTNING_CLI_YAML = """
+trainer:
+  max_steps: 4
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: dynamics.callbacks.DynamicsRecorder
+      init_args:
+        path: split.h5
+        probes:
+          - class_path: dynamics.callbacks.LossChangeSplit
+            init_args:
+              every_n_steps: 2
+              groups:
+                biases: ["**.bias"]
+                first_block: ["student.blocks.0.**"]
+model:
+  class_path: dynamics.experiments.TeacherStudentModule
+  init_args: {width: 8, expansion: 2, depth: 2, activation: gelu}
+data:
+  class_path: dynamics.experiments.TeacherStudentData
+  init_args: {width: 8, expansion: 2, depth: 2, activation: gelu, batch_size: 8}
+"""
+
+
+def test_configured_from_lightning_cli_yaml_with_pattern_groups(tmp_path, monkeypatch) -> None:
+    from pytorch_lightning.cli import LightningCLI
+
+    (tmp_path / "config.yaml").write_text(LIGHTNING_CLI_YAML)
+    monkeypatch.chdir(tmp_path)
+    LightningCLI(args=["fit", "--config", "config.yaml"], save_config_callback=None)
+    run = open_run(tmp_path / "split.h5")
+    rows = run.series("loss_change")
+    np.testing.assert_array_equal(rows.step, [0, 2])
+    assert list(run.columns("loss_change", "terms")) == ["biases", "first_block", "other"]
+    assert_split_sums_to_delta(rows)
+    settings = next(p for p in run.attrs["probes"] if p["name"] == "loss_change")["settings"]
+    assert "student.blocks.0.up.bias" in settings["groups"]["biases"]  # first match wins
+    assert "student.blocks.0.up.weight" in settings["groups"]["first_block"]
