@@ -26,6 +26,7 @@ from dynamics.parameter_groups import group_parameters
 from dynamics.params import parameter_vector
 from tests.conftest import SmallCNN, TinyClassifier, make_quiet_trainer
 from tests.test_real_projects import CharGPT, DigitsCNN, DigitsData, ManualMLP
+from tests.test_resume import fit as fit_checkpointed
 
 TINY_TEACHER = dict(width=8, expansion=2, depth=2)
 
@@ -479,3 +480,22 @@ def test_configured_from_lightning_cli_yaml_with_pattern_groups(tmp_path, monkey
     settings = next(p for p in run.attrs["probes"] if p["name"] == "loss_change")["settings"]
     assert "student.blocks.0.up.bias" in settings["groups"]["biases"]  # first match wins
     assert "student.blocks.0.up.weight" in settings["groups"]["first_block"]
+
+
+def test_a_resumed_fit_continues_the_same_rows_and_cumulative_share(tmp_path, quiet_trainer):
+    """Resumed from a checkpoint at step 5: the rows, the cumulative share included (its running
+    sums are checkpointed), equal an uninterrupted fit's bit for bit."""
+    straight, resumed = tmp_path / "straight.h5", tmp_path / "resumed.h5"
+
+    def probes():
+        return [LossChangeSplit(every_n_steps=2, max_gradient_evaluations=16)]
+
+    fit_checkpointed(tmp_path, straight, probes(), 10, quiet_trainer=quiet_trainer)
+    fit_checkpointed(tmp_path, resumed, probes(), 8, quiet_trainer=quiet_trainer)
+    checkpoint = tmp_path / "resumed" / "epoch=4-step=5.ckpt"
+    fit_checkpointed(tmp_path, resumed, probes(), 10, checkpoint, quiet_trainer)
+    a, b = open_run(straight).series("loss_change"), open_run(resumed).series("loss_change")
+    np.testing.assert_array_equal(a.step, [0, 2, 4, 6, 8])
+    np.testing.assert_array_equal(a.step, b.step)
+    for name, values in a.values.items():
+        np.testing.assert_array_equal(values, b[name], err_msg=name)
