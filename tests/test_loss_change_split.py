@@ -8,12 +8,14 @@ of the loss at the trained parameters, and a step that moves only the biases.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -499,3 +501,12 @@ def test_a_resumed_fit_continues_the_same_rows_and_cumulative_share(tmp_path, qu
     np.testing.assert_array_equal(a.step, b.step)
     for name, values in a.values.items():
         np.testing.assert_array_equal(values, b[name], err_msg=name)
+
+
+def test_the_readme_yaml_builds_the_probe() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Where the loss change comes from")[1].split("\n## ")[0]
+    [config] = yaml.safe_load(section.split("```yaml")[1].split("```")[0])
+    assert config["class_path"] == "dynamics.callbacks.LossChangeSplit"
+    probe = LossChangeSplit(**config["init_args"])
+    assert probe.every_n_steps == 10 and probe.groups == "kind"
