@@ -4,7 +4,7 @@ Workload: the default teacher–student config's unshifted student (width 64, ex
 4, batch 128, Adam 1e-3; 133k parameters), with its ReLU and with GELU. Each fit of ``--steps``
 steps is trained once without the recorder (the training step's time: the fit's wall time over
 its steps, Lightning's own overhead included) and once recording ``LossChangeSplit`` every step
-at its defaults (4 Gauss–Legendre nodes per panel, rtol 1e-6, at most 256 gradient evaluations),
+at its defaults (2 Gauss–Legendre nodes per panel, rtol 1e-6, at most 256 gradient evaluations),
 whose hooks are timed one by one, in one process. Prints the median record time over the median
 training step time, the gradient evaluations per record and the share of rows that met 1e-6.
 

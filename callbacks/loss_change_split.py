@@ -85,7 +85,10 @@ class LossChangeSplit(Probe):
             or ``"layer"`` (one group per module owning parameters) or ``{group: [glob, ...]}``
             over dotted parameter names (unmatched parameters go to ``other``).
         every_n_steps: recording period in optimizer steps.
-        nodes: Gauss–Legendre nodes per quadrature panel.
+        nodes: Gauss–Legendre nodes per quadrature panel. Two close a smooth loss's step in one
+            panel (teacher–student with GELU: 2 gradient evaluations per record); with ReLU
+            more panels of few nodes beat fewer of many (the integrand jumps), so 2 is the
+            default for both (``benchmarks/bench_loss_change_split.py``).
         rtol: relative tolerance of Σ terms against the measured ΔL.
         max_gradient_evaluations: budget per row; panels are bisected until the tolerance is met
             or the next bisection would exceed it.
@@ -101,7 +104,7 @@ class LossChangeSplit(Probe):
         groups: Grouping | Mapping[str, Sequence[str]] = "kind",
         every_n_steps: int = 10,
         *,
-        nodes: int = 4,
+        nodes: int = 2,
         rtol: float = 1e-6,
         max_gradient_evaluations: int = 256,
         batch: Any = None,

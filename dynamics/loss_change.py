@@ -87,7 +87,7 @@ def split_loss_change(
     end: Sequence[torch.Tensor],
     groups: Sequence[int],
     *,
-    nodes: int = 4,
+    nodes: int = 2,
     rtol: float = 1e-6,
     max_gradient_evaluations: int = 256,
 ) -> LossChange:

@@ -183,7 +183,9 @@ def test_a_step_that_moves_only_biases_is_all_bias_term(tmp_path) -> None:
     assert_split_sums_to_delta(rows)
     np.testing.assert_array_equal(rows["terms"][:, 1], 0.0)
     np.testing.assert_allclose(rows["terms"][:, 0], rows["delta"], rtol=1e-6)
-    np.testing.assert_allclose(rows["cumulative_share"][:, 0], 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(rows["cumulative_share"][:, 1], 0.0)
+    bias_share = rows["terms"][:, 0].cumsum() / rows["delta"].cumsum()
+    np.testing.assert_allclose(rows["cumulative_share"][:, 0], bias_share, rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
