@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytorch_lightning as pl
@@ -116,7 +116,7 @@ class LossChangeSplit(Probe):
                 "LossChangeSplit needs nodes >= 1, max_gradient_evaluations >= nodes and "
                 f"rtol > 0, got {nodes}, {max_gradient_evaluations} and {rtol}"
             )
-        if not isinstance(groups, str | Mapping):
+        if groups not in get_args(Grouping) and not isinstance(groups, Mapping):
             raise ValueError(f"groups must be 'kind', 'layer' or a mapping, got {groups!r}")
         self.groups = groups if isinstance(groups, str) else {g: list(p) for g, p in groups.items()}
         self.nodes = nodes

@@ -437,8 +437,9 @@ def test_several_optimizers_per_batch_are_one_row_that_says_so(tmp_path) -> None
 def test_bad_arguments_are_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="nodes"):
         LossChangeSplit(nodes=0)
-    with pytest.raises(ValueError, match="groups"):
-        LossChangeSplit(groups=["bias"])
+    for groups in (["bias"], "kinds"):
+        with pytest.raises(ValueError, match="groups"):
+            LossChangeSplit(groups=groups)
     assert issubclass(ProbeUnavailable, ValueError)
 
 
