@@ -12,6 +12,7 @@ from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.init_biases import InitBiases
 from dynamics.callbacks.logged_metrics import LoggedMetrics
+from dynamics.callbacks.loss_change_split import LossChangeSplit
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, SeriesSpec
 from dynamics.callbacks.recorder import DynamicsRecorder
@@ -27,6 +28,7 @@ __all__ = [
     "HiddenStateNorms",
     "InitBiases",
     "LoggedMetrics",
+    "LossChangeSplit",
     "ParameterDisplacement",
     "Probe",
     "ProbeUnavailable",

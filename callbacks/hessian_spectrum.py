@@ -9,14 +9,12 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import nn
-from torch.func import functional_call
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
-from dynamics.callbacks.probe_loss import ProbeLoss
+from dynamics.callbacks.probe_loss import ProbeLoss, upcast
 from dynamics.curvature import HessianOperator, hutch_plus_plus, lanczos, spectral_density
 from dynamics.isolation import Mode, side_effect_free
-from dynamics.loss_rule import module_loss
+from dynamics.loss_rule import loss_at
 from dynamics.store import View, names
 from dynamics.store.views import standard_view
 
@@ -202,15 +200,15 @@ class HessianSpectrum(Probe):
         if any(params[n].dtype != self.dtype for n in self._names):
             # Lower-precision weights (bf16/fp16 "true" precision) are upcast for the pass; the
             # buffers and the batch follow so that every op runs in float32.
-            tensors |= {n: _upcast(b, self.dtype) for n, b in pl_module.named_buffers()}
-            batch = apply_to_collection(batch, torch.Tensor, _upcast, self.dtype)
+            tensors |= {n: upcast(b, self.dtype) for n, b in pl_module.named_buffers()}
+            batch = apply_to_collection(batch, torch.Tensor, upcast, self.dtype)
         averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         with (
             side_effect_free(pl_module, self.mode),
             torch.autocast(pl_module.device.type, enabled=False),
         ):
             operator = HessianOperator(
-                lambda: functional_call(_LossOf(pl_module), _prefixed(tensors), (batch,)),
+                lambda: loss_at(pl_module, tensors, batch),
                 list(leaves.values()),
                 average_across_ranks=averaged,
             )
@@ -265,22 +263,3 @@ class HessianSpectrum(Probe):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._loss.load_state_dict(state)
         self._ritz = state.get("ritz")
-
-
-class _LossOf(nn.Module):
-    """The module's loss as a forward, so ``functional_call`` can substitute its tensors."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, batch: Any) -> torch.Tensor:
-        return module_loss(self.module, batch)
-
-
-def _prefixed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"module.{n}": t for n, t in tensors.items()}
-
-
-def _upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor

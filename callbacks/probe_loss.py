@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device
 
 from dynamics.batch_tree import flatten_batch, unflatten_batch
@@ -96,3 +97,9 @@ def _unsupported(tree: Any) -> Any:
     elif isinstance(tree, list):
         for value in tree:
             yield from _unsupported(value)
+
+
+def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype`` if it is floating point (batches and buffers of an extra pass
+    follow the parameters' precision; integer labels and counters stay as they are)."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor

@@ -11,12 +11,13 @@ optimizes never have to change to be recorded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 #: Where the rule takes a module's loss from.
 LossSource = Literal["dynamics_loss", "training_step"]
@@ -66,6 +67,26 @@ def module_loss(module: nn.Module, batch: Any, batch_idx: int = 0) -> torch.Tens
             f"{type(module).__name__}'s loss must be a scalar tensor, got {type(loss).__name__}"
         )
     return loss.reshape(())
+
+
+def loss_at(module: nn.Module, tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+    """:func:`module_loss` with some of ``module``'s parameters and buffers replaced, by name,
+    by ``tensors`` (:func:`torch.func.functional_call`): the loss as a function of them, for
+    extra passes that differentiate it or move along a direction without touching the module.
+    """
+    prefixed = {f"module.{name}": tensor for name, tensor in tensors.items()}
+    return functional_call(_LossOf(module), prefixed, (batch,))
+
+
+class _LossOf(nn.Module):
+    """The module's loss as a forward, so ``functional_call`` can substitute its tensors."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return module_loss(self.module, batch)
 
 
 @contextmanager

@@ -31,12 +31,12 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from dynamics.activations import ShiftedActivation, expected_value
 from dynamics.batch_tree import flatten_batch, unflatten_batch
-from dynamics.bias.init import is_bias
 from dynamics.bias.shift import ACTIVATION_MODULES, functional_activations
 from dynamics.bias_audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
 from dynamics.errors import DynamicsError, one_line
 from dynamics.isolation import side_effect_free
 from dynamics.loss_rule import module_loss
+from dynamics.parameter_groups import is_bias
 
 #: Layers that take a ``bias`` option in PyTorch: the rows of the layer table.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (

@@ -16,6 +16,7 @@ from torch import nn
 
 from dynamics.errors import DynamicsError
 from dynamics.name_globs import glob_any, matched
+from dynamics.parameter_groups import is_bias
 
 
 class BiasSet(NamedTuple):
@@ -24,12 +25,6 @@ class BiasSet(NamedTuple):
     module: str
     parameter: str
     value: str
-
-
-def is_bias(name: str) -> bool:
-    """Whether a parameter's own name names a bias: ``bias``, ``bias_*`` (LSTM/GRU
-    ``bias_ih_l0``, attention's ``bias_k``) or ``*_bias`` (attention's ``in_proj_bias``)."""
-    return name == "bias" or name.startswith("bias_") or name.endswith("_bias")
 
 
 def _bias_parameters(

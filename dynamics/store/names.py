@@ -141,3 +141,15 @@ PLANE = "plane"
 PLANE_A = "a"
 PLANE_B = "b"
 PLANE_R = "r"
+
+# LossChangeSplit: one step's loss change on the probe batch, one term per parameter group.
+LOSS_CHANGE = "loss_change"
+LOSS_CHANGE_TERMS = "terms"  # one column per group
+LOSS_CHANGE_SHARE = "cumulative_share"  # Σ_t term / Σ_t ΔL over the recorded steps, per group
+LOSS_CHANGE_DELTA = "delta"  # the measured ΔL
+LOSS_CHANGE_LOSS = "loss"  # L(θ) before the step
+LOSS_CHANGE_RESIDUAL = "residual"  # Σ terms − ΔL
+LOSS_CHANGE_RELATIVE_RESIDUAL = "relative_residual"  # |Σ terms − ΔL| / |ΔL|
+LOSS_CHANGE_CONVERGED = "converged"  # 1 when the residual met the tolerance
+LOSS_CHANGE_EVALUATIONS = "gradient_evaluations"
+LOSS_CHANGE_OPTIMIZER_STEPS = "optimizer_steps"  # optimizer steps the row's Δθ spans

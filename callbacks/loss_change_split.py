@@ -1,0 +1,275 @@
+"""Where a step's loss change comes from: one exact term per parameter group."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, get_args
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
+from dynamics.callbacks.probe_loss import ProbeLoss, upcast
+from dynamics.isolation import Mode, side_effect_free
+from dynamics.loss_change import LossChange, split_loss_change
+from dynamics.loss_rule import loss_at
+from dynamics.parameter_groups import Grouping, ParameterGroups, group_parameters
+from dynamics.store import View, names
+
+#: How the series are drawn (declared with them: no file written before them needs a table).
+VIEWS = {
+    names.LOSS_CHANGE_TERMS: View(
+        "lines", "Loss change of one step per parameter group (probe batch)", "ΔL term"
+    ),
+    names.LOSS_CHANGE_SHARE: View(
+        "lines", "Cumulative share of the loss change per parameter group (Σ term / Σ ΔL)", "share"
+    ),
+    names.LOSS_CHANGE_DELTA: View("scalar", "Loss change of one step (probe batch)", "ΔL"),
+    names.LOSS_CHANGE_RELATIVE_RESIDUAL: View(
+        "scalar", "Quadrature residual of the split", "|Σ terms − ΔL| / |ΔL|", log_y=True
+    ),
+}
+
+
+class LossChangeSplit(Probe):
+    """Splits the loss change of one optimizer step into one term per parameter group.
+
+    At every due step, with θ the parameters before the step (copied before its first
+    micro-batch) and θ + Δθ those after its optimizer step — Δθ is whatever the optimizer did:
+    momentum, Adam's scaling, weight decay, every micro-batch of an accumulated step — the
+    change ΔL = L(θ + Δθ) − L(θ) of the loss on a fixed probe batch is split as
+    ΔL = Σ_g ∫₀¹ ∇_g L(θ + tΔθ)·Δθ_g dt by Gauss–Legendre quadrature checked against the
+    measured ΔL (:func:`dynamics.loss_change.split_loss_change`): every row stores the residual
+    Σ terms − ΔL and whether it met ``rtol``. A row that did not (the budget ran out, typically
+    with a kinked activation such as ReLU) is kept with its residual, ``converged = 0`` and a
+    warning event: the terms are then accurate to that residual, no better.
+
+    The loss is the module's own, by the loss rule of :mod:`dynamics.loss_rule`, on a fixed
+    probe batch (a copy of the fit's first training batch unless one is given), not on each
+    step's own batch: rows of different steps measure the same function, so a term's sign and
+    size over time reflect the parameters, not the batch drawn. Every evaluation runs in float64
+    (parameters, buffers and the batch's floating tensors upcast, autocast off), since a step
+    changes the loss by a small fraction of it, with the buffers (BatchNorm running statistics)
+    as they were before the step: ΔL is the change due to the parameters alone. With the
+    default ``mode="eval"``, the mode of the other curvature probes, dropout is off and
+    BatchNorm uses those running statistics; with ``mode="train"`` BatchNorm normalizes with
+    the probe batch's statistics and every evaluation of a row draws the same dropout masks (each
+    starts from the same RNG state), so the loss is still one function of θ along the segment.
+    The extra passes run inside :func:`~dynamics.isolation.side_effect_free`: ``.grad``, the
+    RNG, buffers and train/eval flags are as training left them, and training is bit-identical
+    with and without the probe. Rows are measured on global rank zero only (on its probe batch).
+
+    A manually optimized module needs ``dynamics_loss`` (its training step steps the optimizer),
+    else the probe steps aside at setup. If such a module steps its optimizers several times in
+    one training batch (several optimizers), Δθ is the change over the whole batch: the row says
+    how many optimizer steps it spans (``optimizer_steps``) and a warning event notes it.
+
+    Series (group ``loss_change``), one row per due step:
+
+    - ``terms`` (groups): the split, one column per group;
+    - ``cumulative_share`` (groups): Σ_t term / Σ_t ΔL over the steps recorded so far — for the
+      bias group, the share of the loss reduction carried by biases;
+    - ``delta``: the measured ΔL; ``loss``: L(θ) before the step;
+    - ``residual``: Σ terms − ΔL; ``relative_residual``: its size over ``|ΔL|``;
+    - ``converged``: 1 when ``|residual|`` met the tolerance (``rtol·|ΔL|``, never tighter than
+      a thousand float64 roundings of the loss);
+    - ``gradient_evaluations``: the row's cost in gradients of the loss;
+    - ``optimizer_steps``: optimizer steps Δθ spans (1 but for the case above).
+
+    Args:
+        groups: ``"kind"`` — ``bias`` (1-D ``bias``/``bias_*``/``*_bias`` parameters of
+            non-normalization layers), ``weight`` and ``normalization`` (every parameter of a
+            module whose class name contains ``Norm``), see :mod:`dynamics.parameter_groups` —
+            or ``"layer"`` (one group per module owning parameters) or ``{group: [glob, ...]}``
+            over dotted parameter names (unmatched parameters go to ``other``).
+        every_n_steps: recording period in optimizer steps.
+        nodes: Gauss–Legendre nodes per quadrature panel. Two close a smooth loss's step in one
+            panel (teacher–student with GELU: 2 gradient evaluations per record); with ReLU
+            more panels of few nodes beat fewer of many (the integrand jumps), so 2 is the
+            default for both (``benchmarks/bench_loss_change_split.py``).
+        rtol: relative tolerance of Σ terms against the measured ΔL.
+        max_gradient_evaluations: budget per row; panels are bisected until the tolerance is met
+            or the next bisection would exceed it.
+        batch: the probe batch; default: a copy of the fit's first training batch.
+        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
+            during the evaluations.
+    """
+
+    name = names.LOSS_CHANGE
+
+    def __init__(
+        self,
+        groups: Grouping | Mapping[str, Sequence[str]] = "kind",
+        every_n_steps: int = 10,
+        *,
+        nodes: int = 2,
+        rtol: float = 1e-6,
+        max_gradient_evaluations: int = 256,
+        batch: Any = None,
+        mode: Mode = "eval",
+    ) -> None:
+        super().__init__(every_n_steps)
+        if nodes < 1 or max_gradient_evaluations < nodes or not rtol > 0:
+            raise ValueError(
+                "LossChangeSplit needs nodes >= 1, max_gradient_evaluations >= nodes and "
+                f"rtol > 0, got {nodes}, {max_gradient_evaluations} and {rtol}"
+            )
+        if groups not in get_args(Grouping) and not isinstance(groups, Mapping):
+            raise ValueError(f"groups must be 'kind', 'layer' or a mapping, got {groups!r}")
+        self.groups = groups if isinstance(groups, str) else {g: list(p) for g, p in groups.items()}
+        self.nodes = nodes
+        self.rtol = rtol
+        self.max_gradient_evaluations = max_gradient_evaluations
+        self._loss = ProbeLoss("LossChangeSplit", mode, batch)
+        self.grouping: ParameterGroups | None = None  # found at setup
+        self._params: list[torch.Tensor] = []
+        self._before: tuple[list[torch.Tensor], dict[str, torch.Tensor]] | None = None
+        # Running sums over the recorded steps, for the cumulative share.
+        self._sum_terms: np.ndarray | None = None
+        self._sum_delta = 0.0
+
+    @property
+    def mode(self) -> Mode:
+        return self._loss.mode
+
+    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        require_unsharded(trainer, "LossChangeSplit")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._loss.setup(trainer, pl_module, batch)
+        self.grouping = group_parameters(pl_module, self.groups)
+        found = dict(pl_module.named_parameters())
+        self._params = [found[n] for n in self.grouping.parameters]
+        if self._sum_terms is None:  # a resumed fit restored the sums
+            self._sum_terms = np.zeros(len(self.grouping.names))
+
+    def series(self) -> dict[str, dict[str, SeriesSpec]]:
+        if self.grouping is None:
+            return {}  # the columns are the groups, known at setup
+
+        def spec(series: str, shape: tuple[int, ...] = (), dtype: str = "float64") -> SeriesSpec:
+            columns = self.grouping.names if shape else None
+            return SeriesSpec(shape, dtype, columns=columns, view=VIEWS.get(series))
+
+        groups = (len(self.grouping.names),)
+        return {
+            names.LOSS_CHANGE: {
+                names.LOSS_CHANGE_TERMS: spec(names.LOSS_CHANGE_TERMS, groups),
+                names.LOSS_CHANGE_SHARE: spec(names.LOSS_CHANGE_SHARE, groups),
+                names.LOSS_CHANGE_DELTA: spec(names.LOSS_CHANGE_DELTA),
+                names.LOSS_CHANGE_LOSS: spec(names.LOSS_CHANGE_LOSS),
+                names.LOSS_CHANGE_RESIDUAL: spec(names.LOSS_CHANGE_RESIDUAL),
+                names.LOSS_CHANGE_RELATIVE_RESIDUAL: spec(names.LOSS_CHANGE_RELATIVE_RESIDUAL),
+                names.LOSS_CHANGE_CONVERGED: spec(names.LOSS_CHANGE_CONVERGED, dtype="int8"),
+                names.LOSS_CHANGE_EVALUATIONS: spec(names.LOSS_CHANGE_EVALUATIONS, dtype="int32"),
+                names.LOSS_CHANGE_OPTIMIZER_STEPS: spec(
+                    names.LOSS_CHANGE_OPTIMIZER_STEPS, dtype="int32"
+                ),
+            }
+        }
+
+    def settings(self) -> dict[str, Any]:
+        if self.grouping is None:
+            return {}
+        return {
+            **self._loss.settings(),
+            "groups": {g: self.grouping.members(g) for g in self.grouping.names},
+            "nodes": self.nodes,
+            "rtol": self.rtol,
+            "max_gradient_evaluations": self.max_gradient_evaluations,
+            "float_bits": 64,
+            "buffers": "as before the step",
+        }
+
+    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+        if trainer.is_global_zero:  # rank zero measures and writes; the ranks' θ agree
+            self._before = (
+                [p.detach().clone() for p in self._params],
+                {n: b.detach().clone() for n, b in pl_module.named_buffers()},
+            )
+
+    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+        if self._before is None:
+            return {}
+        (start, buffers), self._before = self._before, None
+        split = self.measure(pl_module, start, [p.detach() for p in self._params], buffers)
+        spanned = trainer.global_step - step
+        if spanned > 1:
+            self.note(
+                step,
+                "Δθ spans several optimizer steps taken in one training batch (manual "
+                "optimization): the row splits the change over the whole batch",
+            )
+        if not split.converged:
+            self.note(
+                step,
+                f"the terms missed ΔL by more than rtol={self.rtol:g} within "
+                f"{self.max_gradient_evaluations} gradient evaluations (kinked activations such "
+                "as ReLU make the integrand jump); such rows keep converged = 0 and their residual",
+            )
+        self._sum_terms = self._sum_terms + split.terms
+        self._sum_delta += split.delta
+        share = self._sum_terms / self._sum_delta if self._sum_delta else self._sum_terms * np.nan
+        relative = abs(split.residual) / abs(split.delta) if split.delta else np.nan
+        return {
+            names.LOSS_CHANGE: {
+                names.LOSS_CHANGE_TERMS: split.terms,
+                names.LOSS_CHANGE_SHARE: share,
+                names.LOSS_CHANGE_DELTA: np.float64(split.delta),
+                names.LOSS_CHANGE_LOSS: np.float64(split.loss_before),
+                names.LOSS_CHANGE_RESIDUAL: np.float64(split.residual),
+                names.LOSS_CHANGE_RELATIVE_RESIDUAL: np.float64(relative),
+                names.LOSS_CHANGE_CONVERGED: np.int8(split.converged),
+                names.LOSS_CHANGE_EVALUATIONS: np.int32(split.gradient_evaluations),
+                names.LOSS_CHANGE_OPTIMIZER_STEPS: np.int32(spanned),
+            }
+        }
+
+    def measure(
+        self,
+        pl_module: pl.LightningModule,
+        start: Sequence[torch.Tensor],
+        end: Sequence[torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+    ) -> LossChange:
+        """The split of L(end) − L(start) on the probe batch, every evaluation in float64 with
+        ``buffers`` standing for the module's (and the module left as it was)."""
+        dtype = torch.float64
+        fixed = {n: upcast(b, dtype) for n, b in buffers.items()}
+        batch = apply_to_collection(self._loss.batch, torch.Tensor, upcast, dtype)
+        names_ = self.grouping.parameters
+        device = pl_module.device
+        rng_devices = [device.index or 0] if device.type == "cuda" else []
+
+        def loss(tensors: list[torch.Tensor]) -> torch.Tensor:
+            # Each evaluation from the same RNG state: one dropout mask along the segment.
+            with torch.random.fork_rng(devices=rng_devices):
+                return loss_at(pl_module, {**fixed, **dict(zip(names_, tensors))}, batch)
+
+        with side_effect_free(pl_module, self.mode), torch.autocast(device.type, enabled=False):
+            return split_loss_change(
+                loss,
+                [t.to(dtype) for t in start],
+                [t.to(dtype) for t in end],
+                self.grouping.index,
+                nodes=self.nodes,
+                rtol=self.rtol,
+                max_gradient_evaluations=self.max_gradient_evaluations,
+            )
+
+    def teardown(self) -> None:
+        self._before = None
+
+    def state_dict(self) -> dict[str, Any]:
+        sums = {}
+        if self._sum_terms is not None:
+            sums = {"sum_terms": torch.from_numpy(self._sum_terms), "sum_delta": self._sum_delta}
+        return {**self._loss.state_dict(), **sums}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loss.load_state_dict(state)
+        if "sum_terms" in state:
+            self._sum_terms = state["sum_terms"].numpy().copy()
+            self._sum_delta = float(state["sum_delta"])
