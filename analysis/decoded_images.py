@@ -83,9 +83,11 @@ def decoded_images_figure(
     low = min(float(t.min()) for t in targets)
     high = max(float(t.max()) for t in targets)
     height = 0
+    first_labels: list[str] | None = None
     for column, (images, layer) in enumerate(panels.values(), start=1):
         shown = list(rows) if rows is not None else shown_rows(images.step)
         z, labels = _mosaic(images, images.layers.index(layer), shown)
+        first_labels = labels if first_labels is None else first_labels
         tile = images.target.shape[-2] + 1
         figure.add_trace(
             go.Heatmap(
@@ -102,6 +104,9 @@ def decoded_images_figure(
         figure.update_yaxes(
             tickvals=[i * tile + (tile - 2) / 2 for i in range(len(labels))],
             ticktext=labels,
+            # Rows labelled alike are labelled once: a second column's labels would overlap
+            # the images of the column to its left.
+            showticklabels=column == 1 or labels != first_labels,
             autorange="reversed",
             scaleanchor=f"x{column if column > 1 else ''}",
             showgrid=False,

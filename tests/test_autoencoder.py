@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from dynamics.activations import ShiftedActivation
+from dynamics.analysis.bias_audit import recorded_audit
 from dynamics.experiments.autoencoder import AutoencoderModule, conv_autoencoder
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics
@@ -21,7 +22,12 @@ TINY = {
     "steps": 12,
     "eval_every": 6,
     "model": {"width": 4},
-    "record": {"bias_every_n_steps": 3, "hessian_every_n_steps": 6, "image_rows": 4},
+    "record": {
+        "bias_every_n_steps": 3,
+        "hessian_every_n_steps": 6,
+        "image_rows": 4,
+        "split_every_n_steps": 6,
+    },
 }
 
 
@@ -56,6 +62,10 @@ def test_run_records_bias_component_with_images_and_the_usual_probes(pages):
         for group in (names.LOSS, names.HIDDEN_NORMS, names.DISPLACEMENT, names.HESSIAN):
             assert run.recorded(group) is not None, group
         assert run.heldout_loss() is not None
+        assert list(run.series(names.LOSS_CHANGE).step) == [0, 6]
+        # The bias audit at θ0, against a direct count: 4 + 4 + 8 + 8 + 4 + 4 + 1 at width 4.
+        audit = recorded_audit(run)
+        assert (audit.bias_parameters, audit.total_parameters) == (33, run.layout.size)
     # One probe batch for both variants: the same target images.
     targets = [run.vector(names.BIAS_COMPONENT_TARGET) for run in (unshifted, shifted)]
     np.testing.assert_array_equal(*targets)

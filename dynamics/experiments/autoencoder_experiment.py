@@ -4,7 +4,9 @@ experiment ``autoencoder`` (seed 002, §3.2, Fig. 5: the transient use of the bi
 Every variant is built from the config's seed, so all share θ0; they differ only in the shift
 :func:`dynamics.bias.shift_activations` applies to their ReLUs. Each records
 :class:`~dynamics.callbacks.BiasComponent` at the ReLUs of ``record.layers`` on a fixed probe
-batch (the same for every variant), with the usual probes.
+batch (the same for every variant), the bias audit at θ0, the loss change of every
+``record.split_every_n_steps``-th step split into biases, weights and normalization
+(:class:`~dynamics.callbacks.LossChangeSplit`), and the usual probes.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from dataclasses import dataclass, field
 
 from dynamics.activations import SHIFTS
 from dynamics.callbacks import (
+    BiasAudit,
     BiasComponent,
     HessianSpectrum,
     HiddenStateNorms,
     LoggedMetrics,
+    LossChangeSplit,
     ParameterDisplacement,
     TrainingLoss,
 )
@@ -61,6 +65,7 @@ class RecordConfig:
     flush_interval_s: float = 5.0
     hessian_top_k: int = 3  # 0 records no Hessian spectrum
     hessian_every_n_steps: int = 250
+    split_every_n_steps: int = 0  # LossChangeSplit period; 0 records no split
 
 
 @dataclass
@@ -106,6 +111,7 @@ class AutoencoderConfig(ExperimentConfig):
                 raise ConfigError(f"{key} must be > 0, got {value}")
         for key, value in (
             ("record.hessian_top_k", record.hessian_top_k),
+            ("record.split_every_n_steps", record.split_every_n_steps),
             ("record.image_rows", record.image_rows),
             ("record.snapshot_budget_mb", record.snapshot_budget_mb),
         ):
@@ -167,6 +173,7 @@ class Autoencoder(Experiment[AutoencoderConfig]):
                 HiddenStateNorms(modules=record.layers, feature_dim=1, every_n_steps=every),
                 ParameterDisplacement(every, snapshot_budget_mb=record.snapshot_budget_mb),
                 LoggedMetrics([names.VAL_LOSS]),
+                BiasAudit(),
                 BiasComponent(
                     record.layers,
                     every_n_steps=record.bias_every_n_steps,
@@ -175,6 +182,10 @@ class Autoencoder(Experiment[AutoencoderConfig]):
                     image_rows=record.image_rows,
                 ),
             ]
+            if record.split_every_n_steps:
+                probes.append(
+                    LossChangeSplit(every_n_steps=record.split_every_n_steps, batch=probe_batch)
+                )
             if record.hessian_top_k:
                 probes.append(
                     HessianSpectrum(
