@@ -20,6 +20,7 @@ from dynamics.errors import DynamicsError
 
 if TYPE_CHECKING:
     from dynamics.analysis.report import Written
+    from dynamics.bias_audit_result import AuditResult
 
 USAGE_ERROR = 2
 #: A shell's status of a command whose reader went away (128 + SIGPIPE).
@@ -466,9 +467,10 @@ def _overshoot(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     import torch
 
+    from dynamics.analysis.bias_audit import recorded_audit
     from dynamics.bias.audit import audit, audit_batch
     from dynamics.rebuild import build_module, probe_batch, rebuild_module
-    from dynamics.store import open_run
+    from dynamics.store import names, open_run
 
     shape = _shape(args.input_shape)
     init_args = _json_object(args.init_args, "--init-args")
@@ -482,6 +484,14 @@ def _audit(args: argparse.Namespace) -> int:
     example, note, result = None, "none (pass --input-shape)", None
     if args.target.endswith(".h5"):
         run = open_run(args.target)
+        recorded = recorded_audit(run)
+        if recorded is not None and not (shape or args.model or init_args or draws):
+            # The fit's own audit (BiasAudit, on its first batch): nothing to rebuild or guess.
+            module = (run.attrs.get(names.ATTR_MODULE) or {}).get("class_path", "?")
+            _print_audit(
+                args, f"{module.rpartition('.')[2]}, recorded at θ0 by BiasAudit", recorded
+            )
+            return 0
         model = rebuild_module(run, args.model, init_args, args.trust_recorded_model)
         if shape is None:
             try:  # the batch GradientPlane stored
@@ -509,10 +519,15 @@ def _audit(args: argparse.Namespace) -> int:
             note = f"N(0, 1) of shape {dims} (--input-shape, seed 0)"
     if result is None:
         result = audit(model, example, input_note=note, **draws)
+    _print_audit(args, type(model).__name__, result)
+    return 0
+
+
+def _print_audit(args: argparse.Namespace, what: str, result: AuditResult) -> None:
     if args.json:
         print(json.dumps({"model": args.target, **result.to_dict()}, indent=2))
-        return 0
-    print(f"{args.target}  ({type(model).__name__})")
+        return
+    print(f"{args.target}  ({what})")
     for line in result.lines():
         print(f"  {line}")
     for title, header, rows in result.tables():
@@ -521,7 +536,6 @@ def _audit(args: argparse.Namespace) -> int:
             _print_table(header, rows)
         else:
             print("  none")
-    return 0
 
 
 def _class_spec(target: str) -> str:

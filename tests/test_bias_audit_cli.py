@@ -156,17 +156,24 @@ def test_probe_records_the_audit_of_the_first_batch_at_theta0(audited_run):
     assert recorded.share() == audit(module.student).share() == "64 of 592 = 10.81 %"
 
 
-def test_audit_of_a_run_file_uses_its_model_and_probe_batch(audited_run, dynamics):
-    result = dynamics("audit", audited_run, "--json")
-    assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
-    recorded = recorded_audit(open_run(audited_run))
-    assert {k: v for k, v in data.items() if k != "model"} == {
-        **json.loads(json.dumps(recorded.to_dict())),
+def test_audit_of_a_run_file_prints_the_recorded_audit_or_rebuilds_on_request(
+    audited_run, dynamics
+):
+    recorded = json.loads(json.dumps(recorded_audit(open_run(audited_run)).to_dict()))
+    stored = dynamics("audit", audited_run, "--json")
+    assert stored.returncode == 0, stored.stderr
+    assert {k: v for k, v in json.loads(stored.stdout).items() if k != "model"} == recorded
+    text = dynamics("audit", audited_run)
+    assert "TeacherStudentModule, recorded at θ0 by BiasAudit" in text.stdout
+    assert "64 of 592 = 10.81 %" in text.stdout
+    # An option asks for a new audit: the recorded model rebuilt at θ0, on the stored batch.
+    rebuilt = dynamics("audit", audited_run, "--json", "--draws", "5")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert {k: v for k, v in json.loads(rebuilt.stdout).items() if k != "model"} == {
+        **recorded,
         "input_note": "the run's probe batch, into student, which holds all the parameters",
     }
-    text = dynamics("audit", audited_run)
-    assert "TeacherStudentModule" in text.stdout and "64 of 592 = 10.81 %" in text.stdout
+    assert "recorded at" not in dynamics("audit", audited_run, "--draws", "5").stdout
 
 
 def test_report_has_a_bias_audit_section_only_when_recorded(
