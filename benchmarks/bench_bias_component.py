@@ -11,7 +11,7 @@ variant and recorded layer, at a few steps and at the peak:
 - ``cos(bias, full)``: how close the bias-only decode is to the full reconstruction;
 - ``share``: ‖h̄·1‖² / ‖h‖², the hidden state's energy in its bias component.
 
-Usage: ``python benchmarks/bias_component_autoencoder.py DIR [--steps 0 20 50 100 200 500]``
+Usage: ``python benchmarks/bench_bias_component.py DIR [--steps 0 20 50 100 200 500]``
 """
 
 from __future__ import annotations
