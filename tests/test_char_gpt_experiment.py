@@ -13,7 +13,10 @@ import torch
 import yaml
 
 from dynamics.activations import ShiftedActivation
+from dynamics.callbacks import HiddenStateNorms
 from dynamics.experiments.char_gpt import CharGPTModule, StdlibTextData
+from dynamics.experiments.scaleup import RESIDUAL_STREAM
+from dynamics.experiments.vit_digits import ViTDigitsModule
 from dynamics.rebuild import rebuild_module
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics
@@ -167,3 +170,13 @@ def test_bad_config_values_are_one_line_errors(tmp_path, config, message):
     assert_one_line_error(result)
     assert message in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module", [CharGPTModule(width=16), ViTDigitsModule(width=16, depth=2)])
+def test_the_recorded_blocks_are_what_hidden_state_norms_picks_by_default(module):
+    chosen = []
+    for probe in (HiddenStateNorms(), HiddenStateNorms(modules=[RESIDUAL_STREAM])):
+        probe.setup(None, module, None)
+        chosen.append(probe.layers)
+        probe.teardown()
+    assert chosen[0] == chosen[1] == tuple(f"model.blocks.{i}" for i in range(2))

@@ -32,6 +32,7 @@ RESIDUAL_STREAM = "model.blocks.*"
 
 
 def default_variants() -> dict[str, str | float]:
+    """The two variants §4 compares: plain MLP activations and Eq. 9 on each."""
     return {"unshifted": "none", "adaptive": "adaptive"}
 
 
