@@ -1,5 +1,9 @@
 """The models the experiments train: the paper's pre-norm residual MLP stack (attention and head
-stripped) and a nanoGPT-style character transformer."""
+stripped), a nanoGPT-style character transformer and a small vision transformer.
+
+The transformers' MLP activations are plain activation modules (``nn.GELU``…), named by
+:data:`MLP_ACTIVATIONS`, so that :func:`dynamics.bias.shift_activations` can shift them in place.
+"""
 
 from __future__ import annotations
 
@@ -65,14 +69,43 @@ class ResidualMLP(nn.Module):
         return x
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
+#: The activation modules the transformers build, by the names of ``dynamics.activations``.
+ACTIVATION_MODULES: dict[str, type[nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
+    "sigmoid": nn.Sigmoid,
+    "tanh": nn.Tanh,
+}
 
-    def __init__(self, width: int, heads: int) -> None:
+#: Name pattern of every MLP activation of :class:`CharGPT` and :class:`ViT` (one per block).
+MLP_ACTIVATIONS = "blocks.*.act"
+
+
+def activation_module(name: str) -> nn.Module:
+    """A new activation module of the named kind (see :data:`ACTIVATION_MODULES`)."""
+    if name not in ACTIVATION_MODULES:
+        known = ", ".join(ACTIVATION_MODULES)
+        raise ValueError(f"unknown activation {name!r}; choose from {known}")
+    return ACTIVATION_MODULES[name]()
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through ``F.scaled_dot_product_attention``.
+
+    Args:
+        width: model width.
+        heads: attention heads (must divide ``width``).
+        causal: each token attends to itself and earlier tokens only.
+    """
+
+    def __init__(self, width: int, heads: int, causal: bool) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} is not a multiple of heads {heads}")
         self.heads = heads
+        self.causal = causal
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
@@ -82,25 +115,34 @@ class CausalSelfAttention(nn.Module):
             t.view(batch, tokens, self.heads, width // self.heads).transpose(1, 2)
             for t in self.qkv(x).split(width, dim=2)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(batch, tokens, width))
 
 
-class GPTBlock(nn.Module):
+class TransformerBlock(nn.Module):
     """Pre-LN transformer block: h ← h + attn(LN(h)); h ← h + W_down φ(W_up LN(h))."""
 
-    def __init__(self, width: int, heads: int, activation: ShiftedActivation) -> None:
+    def __init__(self, width: int, heads: int, activation: str, causal: bool) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads)
+        self.attn = SelfAttention(width, heads, causal)
         self.mlp_norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 4 * width)
-        self.act = activation
+        self.act = activation_module(activation)
         self.down = nn.Linear(4 * width, width)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h))
         return h + self.down(self.act(self.up(self.mlp_norm(h))))
+
+
+def _gpt_init(model: nn.Module) -> None:
+    """GPT-2's init: matrices and embeddings N(0, 0.02²), biases zero, LayerNorms (1, 0)."""
+    for name, parameter in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(parameter)
+        elif parameter.dim() >= 2:
+            nn.init.normal_(parameter, std=0.02)
 
 
 class CharGPT(nn.Module):
@@ -112,8 +154,7 @@ class CharGPT(nn.Module):
         width: residual-stream width.
         depth: number of blocks.
         heads: attention heads per block.
-        activation: MLP activation name (see ``dynamics.activations.ACTIVATIONS``).
-        shift: MLP activation shift (``none``, ``expected``, ``adaptive`` or a number).
+        activation: MLP activation name (see :data:`ACTIVATION_MODULES`).
     """
 
     def __init__(
@@ -124,22 +165,17 @@ class CharGPT(nn.Module):
         depth: int = 2,
         heads: int = 4,
         activation: str = "gelu",
-        shift: str | float = "none",
     ) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
         self.positions = nn.Embedding(context, width)
         self.blocks = nn.ModuleList(
-            GPTBlock(width, heads, ShiftedActivation(activation, shift)) for _ in range(depth)
+            TransformerBlock(width, heads, activation, causal=True) for _ in range(depth)
         )
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tokens.weight  # weight tying, as GPT-2 and nanoGPT do
-        for name, parameter in self.named_parameters():
-            if name.endswith("weight") and parameter.dim() == 2:
-                nn.init.normal_(parameter, std=0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(parameter)
+        _gpt_init(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -147,3 +183,53 @@ class CharGPT(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
+
+
+class ViT(nn.Module):
+    """A small vision transformer: non-overlapping square patches, a class token, pre-LN blocks.
+
+    Args:
+        image_size: side of the (square) input images.
+        patch_size: side of a patch (must divide ``image_size``).
+        channels: input channels.
+        classes: output logits.
+        width: residual-stream width.
+        depth: number of blocks.
+        heads: attention heads per block.
+        activation: MLP activation name (see :data:`ACTIVATION_MODULES`).
+    """
+
+    def __init__(
+        self,
+        image_size: int = 8,
+        patch_size: int = 2,
+        channels: int = 1,
+        classes: int = 10,
+        width: int = 64,
+        depth: int = 4,
+        heads: int = 4,
+        activation: str = "gelu",
+    ) -> None:
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"patch_size {patch_size} does not divide image_size {image_size}")
+        self.patch_size = patch_size
+        patches = (image_size // patch_size) ** 2
+        self.patches = nn.Linear(channels * patch_size**2, width)
+        self.cls = nn.Parameter(torch.zeros(1, 1, width))
+        self.positions = nn.Parameter(torch.zeros(1, patches + 1, width))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(width, heads, activation, causal=False) for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+        _gpt_init(self)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        # (N, C, H, W) -> (N, patches, C·p·p), patches in row-major order.
+        patches = F.unfold(images, self.patch_size, stride=self.patch_size).transpose(1, 2)
+        h = self.patches(patches)
+        h = torch.cat([self.cls.expand(len(h), -1, -1), h], dim=1) + self.positions
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h[:, 0]))

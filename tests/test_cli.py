@@ -53,7 +53,10 @@ def test_run_refuses_to_overwrite_existing_results(demo, dynamics):
         ("model: {width: wide}\n", "'model.width' must be an integer"),
         ("steps: [\n", "not valid YAML"),
         ("variants: {a: sideways}\n", "shift must be one of"),
-        ("experiment: nope\n", "unknown experiment 'nope'; known: autoencoder, teacher_student"),
+        (
+            "experiment: nope\n",
+            "unknown experiment 'nope'; known: autoencoder, char_gpt, teacher_student, vit_digits",
+        ),
         ("model: {activation: softmax}\n", "model.activation must be one of relu"),
         ("optimizer: {name: rmsprop}\n", "optimizer.name must be one of adam"),
         ("variants: {a: none, b: none}\n", "variants a and b: g_a and g_b are collinear"),

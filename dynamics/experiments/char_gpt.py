@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from dynamics.models import CharGPT
+from dynamics.bias import shift_activations
+from dynamics.models import MLP_ACTIVATIONS, CharGPT
 
 
 def stdlib_text(heldout: bool, max_bytes: int) -> np.ndarray:
@@ -52,7 +53,9 @@ class CharGPTModule(pl.LightningModule):
         depth: number of transformer blocks.
         heads: attention heads.
         activation: MLP activation.
-        shift: MLP activation shift (``none``, ``expected``, ``adaptive`` or a number).
+        shift: ``"none"``, or the shift :func:`dynamics.bias.shift_activations` applies to every
+            MLP activation (``"adaptive"``: Eq. 9, each token's mean over the hidden features
+            subtracted; ``"expected"`` or a number: a constant).
         seed: initialization seed (equal seeds give equal θ0 whatever the shift).
         lr: AdamW learning rate.
     """
@@ -72,7 +75,10 @@ class CharGPTModule(pl.LightningModule):
         self.save_hyperparameters()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.model = CharGPT(256, context, width, depth, heads, activation, shift)
+            self.model = CharGPT(256, context, width, depth, heads, activation)
+        if shift != "none":
+            # Surgery keeps the parameters: θ0 is the unshifted model's.
+            shift_activations(self.model, shift, include=[MLP_ACTIVATIONS], dim=-1)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -105,4 +105,9 @@ def get(name: str) -> Experiment:
 def _register_builtins() -> None:
     # Imported on first use, not with the package: rebuilding a recorded module by its class
     # path imports dynamics.experiments, which should not load the recorder and its probes.
-    from dynamics.experiments import autoencoder_experiment, teacher_student_experiment  # noqa: F401
+    from dynamics.experiments import (  # noqa: F401
+        autoencoder_experiment,
+        char_gpt_experiment,
+        teacher_student_experiment,
+        vit_digits_experiment,
+    )
