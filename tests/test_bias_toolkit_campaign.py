@@ -3,6 +3,8 @@ models defined outside the package, each pinned by a tiny, fast test."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import pytorch_lightning as pl
@@ -12,11 +14,32 @@ from pytorch_lightning.cli import LightningCLI
 from torch import nn
 
 from dynamics.analysis.comparison import SAME, comparability
-from dynamics.callbacks import BiasAudit, BiasComponent, DynamicsRecorder, check_probe
+from dynamics.bias import shift_activations
+from dynamics.bias.init import constant
+from dynamics.callbacks import (
+    BiasAudit,
+    BiasComponent,
+    DynamicsRecorder,
+    InitBiases,
+    ShiftActivations,
+    check_probe,
+)
 from dynamics.errors import DynamicsError
 from dynamics.rebuild import build_module, module_record
 from dynamics.store import names, open_run
 from tests.conftest import TinyClassifier, make_quiet_trainer
+
+
+@pytest.fixture(autouse=True)
+def _global_state_restored(monkeypatch):
+    """These tests seed and run LightningCLI in-process: the global random states and
+    ``PL_GLOBAL_SEED`` are put back so that later test modules see what they would alone."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng():
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
 
 
 class ScalarRegressor(pl.LightningModule):
@@ -131,3 +154,40 @@ def test_runs_set_up_alike_do_not_differ_in_their_probes_by_the_audits_measureme
         runs.append(open_run(path))
     probes = next(c for c in comparability(*runs) if c.name == "probes")
     assert probes.status == SAME, probes.details
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2, 1))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"shift": float("nan")}, "finite"),
+        ({"shift": float("inf")}, "finite"),
+        ({"shift": "adaptive", "dim": 1.5}, "dim must be an integer"),
+        ({"include": "1"}, "include must be a list"),
+        ({"exclude": "1"}, "exclude must be a list"),
+    ],
+)
+def test_shift_settings_that_cannot_work_are_refused_in_one_message(options, message):
+    """A NaN shift made a NaN network, dim=1.5 failed at the first forward, and a pattern
+    given as a string was read letter by letter; the YAML callback refuses them when built."""
+    with pytest.raises(DynamicsError, match=message):
+        shift_activations(_cnn(), **{"shift": "expected", **options})
+    with pytest.raises(DynamicsError, match=message):
+        ShiftActivations(**{"shift": "expected", **options})
+
+
+def test_bias_recipe_patterns_given_as_a_string_are_refused_in_one_message():
+    with pytest.raises(DynamicsError, match="exclude must be a list"):
+        constant(_cnn(), 0.01, exclude="3")
+
+
+def test_init_biases_refuses_options_its_recipe_does_not_take_when_built():
+    """A misspelt option in YAML failed only at fit setup, inside Lightning's traceback."""
+    with pytest.raises(DynamicsError, match="valu"):
+        InitBiases(recipe="constant", options={"valu": 0.01})
+    with pytest.raises(DynamicsError, match="priors"):
+        InitBiases(recipe="log_odds")
+    assert InitBiases(recipe="constant", options={"value": 0.1, "exclude": ["head"]}).options
