@@ -117,7 +117,9 @@ class BiasComponent(Probe):
     **Recorded** (group ``bias_component``; one column per layer, ``<part>`` ∈ bias, remainder):
 
     - ``<part>_cos_full``, ``<part>_relerr_full``: the decode against the full output — cosine
-      per example (row of the output's first axis), averaged over the batch; and
+      per example (row of the output's first axis), averaged over the batch (with one value
+      per example, an (N,) or (N, 1) output, over the batch as one vector: a per-example
+      cosine would be only the sign agreement); and
       ‖decode − full‖ / ‖full‖ over the whole batch;
     - ``<part>_loss`` and ``full_loss``: the loss function's value on each decode: how well it
       predicts the target, in the loss's own terms;
@@ -309,8 +311,10 @@ class BiasComponent(Probe):
                 "of another kind, so cosine and relative error to it are not defined)"
             ),
             "bias_component": "mean across the feature axis times the all-ones direction",
-            "cosine": "per example (first axis of the output), averaged over the batch",
-            "correlation": "cosine of each example's values minus their mean, averaged",
+            "cosine": "per example (first axis of the output), averaged over the batch; "
+            "over the whole batch as one vector when each example has one value",
+            "correlation": "cosine of each example's values minus their mean, averaged "
+            "(of the batch's values minus their mean with one value per example)",
             "relative_error": "‖d − r‖ / ‖r‖ over the whole batch",
             "image_steps": sorted(self._image_steps),
             "examples": self.examples if self._image_steps else 0,
@@ -495,8 +499,12 @@ def _loss_calls(module: nn.Module, mode: Mode):
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
+    """One row per example; with one value per example (an (N,) or (N, 1) output) a row's
+    cosine would only be the sign agreement, so the batch is one row."""
     x = x.detach().float()
-    return x.reshape(x.shape[0], -1) if x.dim() >= 2 else x.reshape(1, -1)
+    if x.dim() >= 2 and x[0].numel() > 1:
+        return x.reshape(x.shape[0], -1)
+    return x.reshape(1, -1)
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor, centred: bool = False) -> torch.Tensor:

@@ -5,9 +5,8 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
-from dynamics.bias.init import RECIPES, BiasSet, init_biases
+from dynamics.bias.init import BiasSet, check_recipe, init_biases
 from dynamics.callbacks.fit_description import plain
-from dynamics.errors import DynamicsError
 from dynamics.rebuild import class_path
 from dynamics.store import names
 
@@ -36,8 +35,7 @@ class InitBiasesBase:
     """
 
     def __init__(self, recipe: str, options: dict[str, Any] | None = None) -> None:
-        if recipe not in RECIPES:
-            raise DynamicsError(f"unknown bias recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+        check_recipe(recipe, dict(options or {}))
         self.recipe = recipe
         self.options = dict(options or {})
         self.table: list[BiasSet] = []

@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 
-from dynamics.bias.shift import ShiftTable, shift_activations
+from dynamics.bias.shift import ShiftTable, check_shift_settings, shift_activations
 from dynamics.errors import DynamicsError
 from dynamics.rebuild import class_path
 from dynamics.store import names
@@ -64,8 +64,7 @@ class ShiftActivationsBase:
         exclude: list[str] | None = None,
         dim: int = -1,
     ) -> None:
-        if isinstance(shift, str) and shift not in ("expected", "adaptive"):
-            raise DynamicsError(f"shift must be 'expected', 'adaptive' or a number, got {shift!r}")
+        check_shift_settings(shift, include or [], exclude or [], dim)
         self.shift = shift
         self.include = list(include or [])
         self.exclude = list(exclude or [])

@@ -7,6 +7,7 @@ configs. Bad input raises ``DynamicsError`` (a ``ValueError``) with one clear me
 parameter changes.
 """
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -14,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from dynamics.bias.shift import pattern_list
 from dynamics.errors import DynamicsError
 from dynamics.name_globs import glob_any, matched
 from dynamics.parameter_groups import is_bias
@@ -32,6 +34,7 @@ def _bias_parameters(
 ) -> list[tuple[str, str, nn.Parameter]]:
     """Every bias parameter (:func:`is_bias`) of the modules whose names match ``include``
     (all when empty) and not ``exclude``."""
+    include, exclude = pattern_list("include", include), pattern_list("exclude", exclude)
     named = [name for name, _ in model.named_modules()]
     unmatched = [p for p in (*include, *exclude) if not matched(p, named)]
     if unmatched:
@@ -228,8 +231,19 @@ RECIPES: dict[str, Callable[..., list[BiasSet]]] = {
 }
 
 
-def init_biases(model: nn.Module, recipe: str, **kwargs: Any) -> list[BiasSet]:
-    """Apply the recipe named ``recipe`` (a key of ``RECIPES``) with its keyword arguments."""
+def check_recipe(recipe: str, options: dict[str, Any]) -> None:
+    """Refuse, in one message, an unknown recipe or options its function does not take."""
     if recipe not in RECIPES:
         raise DynamicsError(f"unknown bias recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    signature = inspect.signature(RECIPES[recipe])
+    try:
+        signature.bind(None, **options)
+    except TypeError as error:
+        takes = ", ".join(list(signature.parameters)[1:]) or "no options"
+        raise DynamicsError(f"bias recipe {recipe} takes {takes}: {error}") from None
+
+
+def init_biases(model: nn.Module, recipe: str, **kwargs: Any) -> list[BiasSet]:
+    """Apply the recipe named ``recipe`` (a key of ``RECIPES``) with its keyword arguments."""
+    check_recipe(recipe, kwargs)
     return RECIPES[recipe](model, **kwargs)

@@ -10,6 +10,7 @@ the returned table names them instead of staying silent.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -104,6 +105,32 @@ class ShiftTable(list[ShiftRow]):
         )
 
 
+def pattern_list(what: str, patterns: Sequence[str]) -> list[str]:
+    """``patterns`` as a list, refusing a lone string (it would be read letter by letter)."""
+    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+        raise DynamicsError(f"{what} must be a list of module-name patterns, got {patterns!r}")
+    return list(patterns)
+
+
+def check_shift_settings(
+    shift: str | float, include: Sequence[str], exclude: Sequence[str], dim: int
+) -> None:
+    """Refuse, in one message, settings :func:`shift_activations` cannot apply: an unknown
+    or non-finite shift (a NaN would silently make the network NaN), a non-integer ``dim``,
+    patterns not given as a list."""
+    if isinstance(shift, str):
+        if shift not in ("expected", "adaptive"):
+            raise DynamicsError(f"shift must be 'expected', 'adaptive' or a number, got {shift!r}")
+    elif isinstance(shift, bool) or not isinstance(shift, int | float) or not math.isfinite(shift):
+        raise DynamicsError(
+            f"shift must be 'expected', 'adaptive' or a finite number, got {shift!r}"
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise DynamicsError(f"dim must be an integer (the feature dimension), got {dim!r}")
+    pattern_list("include", include)
+    pattern_list("exclude", exclude)
+
+
 def shift_activations(
     model: nn.Module,
     shift: str | float = "expected",
@@ -139,10 +166,10 @@ def shift_activations(
         A :class:`ShiftTable` with one row per activation found, replaced or not.
 
     Raises:
-        DynamicsError: on an unknown ``shift``, or a pattern that matches no module.
+        DynamicsError: on an unknown or non-finite ``shift``, a non-integer ``dim``, patterns
+            not given as a list, or a pattern that matches no module.
     """
-    if isinstance(shift, str) and shift not in ("expected", "adaptive"):
-        raise DynamicsError(f"shift must be 'expected', 'adaptive' or a number, got {shift!r}")
+    check_shift_settings(shift, include, exclude, dim)
     custom = dict(custom or {})
     # Every path, so an activation module shared by several parents is shifted at each.
     named = dict(model.named_modules(remove_duplicate=False))
