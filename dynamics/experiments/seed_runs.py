@@ -126,7 +126,12 @@ def run_seeds(
     locks: dict[tuple[str, int], RunLock] = {}
     try:
         for variant in variants:
-            (out_dir / variant).mkdir(parents=True, exist_ok=True)
+            try:
+                (out_dir / variant).mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise DynamicsError(
+                    f"cannot create output folder {out_dir / variant}: {error.strerror}"
+                ) from None
         for run, path in paths.items():
             locks[run] = RunLock.acquire(path)
         torch.set_num_threads(config.threads)
@@ -136,10 +141,6 @@ def run_seeds(
                 _plan(experiment, seed_config(config, seed))
             except DynamicsError as error:
                 raise DynamicsError(f"seed {seed}: {error}") from None
-    except OSError as error:
-        _release(locks)
-        _remove_folders(new_folders)
-        raise DynamicsError(f"cannot create output folder in {out_dir}: {error.strerror}") from None
     except BaseException:
         _release(locks)
         _remove_folders(new_folders)
