@@ -28,6 +28,9 @@ DEFAULT_EXPERIMENT = "teacher_student"
 
 #: The largest integer a config holds: what torch, numpy and HDF5 hold in 64 bits.
 _INT64_MAX = 2**63 - 1
+#: The most seeds one command trains: each trains every variant, so more is weeks of CPU time
+#: (and a typo such as 0-10000000 should not plan ten million runs).
+MAX_SEEDS = 1000
 
 
 class ConfigError(DynamicsError):
@@ -40,18 +43,26 @@ class ExperimentConfig:
 
     Attributes:
         seed: initialization seed shared by every variant (so all share θ0).
+        seeds: several seeds instead of ``seed`` (a list, or ``"0-4"``, ``"0,2,3"``): every
+            variant is trained for each (see :func:`parse_seeds`); a run's own config records
+            its one seed as ``seed``.
         steps: optimizer steps per variant.
         eval_every: steps between held-out evaluations.
         threads: torch CPU threads (1 is fastest for models this small on a shared machine).
     """
 
     seed: int = 0
+    seeds: list[int] | None = None
     steps: int = 2000
     eval_every: int = 100
     threads: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as a run file records it: one seed (``seeds`` is the group's, in its
+        summary), so a run of a group records what ``--seed k`` alone would."""
+        data = dataclasses.asdict(self)
+        del data["seeds"]
+        return data
 
     def validate(self) -> ExperimentConfig:
         """Check the values (their types were checked on load); returns the config.
@@ -63,6 +74,8 @@ class ExperimentConfig:
             {"steps": self.steps, "eval_every": self.eval_every, "threads": self.threads}
         )
         check_seeds({"seed": self.seed})
+        if self.seeds is not None:
+            self.seeds = parse_seeds(self.seeds, "seeds")
         if self.eval_every > self.steps:
             raise ConfigError(
                 f"eval_every ({self.eval_every}) must be at most steps ({self.steps}), "
@@ -97,6 +110,45 @@ def check_seeds(values: Mapping[str, int]) -> None:
     for key, value in values.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
+
+
+def parse_seeds(value: Any, name: str = "seeds") -> list[int]:
+    """Seeds given as a list of integers or as text such as ``"0-4"``, ``"0,2,3"`` or
+    ``"0-2,5"`` (ranges include both ends); returned sorted.
+
+    Raises:
+        ConfigError: naming ``name``: not integers >= 0, a range that runs backwards, a seed
+            given twice, none at all, or more than :data:`MAX_SEEDS`.
+    """
+    form = f"{name} must be seeds >= 0 like 0-4 or 0,2,3 or [0, 2, 3], got {value!r}"
+    seeds: list[int] = []
+    if isinstance(value, str):
+        for part in value.split(","):
+            low, dash, high = part.strip().partition("-")
+            if not low.isdigit() or (dash and not high.isdigit()):
+                raise ConfigError(form)
+            first, last = int(low), int(high) if dash else int(low)
+            if last < first:
+                raise ConfigError(f"{name}: the range {part.strip()} runs backwards")
+            if last - first + len(seeds) >= MAX_SEEDS:  # before the list is made
+                raise ConfigError(f"{name}: more than {MAX_SEEDS} seeds")
+            seeds.extend(range(first, last + 1))
+    elif isinstance(value, list) and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value
+    ):
+        seeds = list(value)
+    else:
+        raise ConfigError(form)
+    if not seeds:
+        raise ConfigError(form)
+    if len(seeds) > MAX_SEEDS:
+        raise ConfigError(f"{name}: more than {MAX_SEEDS} seeds")
+    if max(seeds) > _INT64_MAX:
+        raise ConfigError(f"{name}: seed {max(seeds)} does not fit in 64 bits")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"{name}: seed {twice[0]} is given twice")
+    return sorted(seeds)
 
 
 def check_variant_names(names: Iterable[str]) -> None:
@@ -139,6 +191,14 @@ def load_config(
             raise ConfigError(f"config {path}: {error}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config {path}: expected a mapping at the top level")
+    if "seed" in data and "seeds" in data:
+        raise ConfigError(f"config {path}: give seed or seeds, not both")
+    # A seed given as an override replaces the file's seeds, and seeds its seed.
+    for key, other in (("seed", "seeds"), ("seeds", "seed")):
+        if overrides.get(key) is not None:
+            if overrides.get(other) is not None:
+                raise ConfigError("give seed or seeds, not both")
+            data.pop(other, None)
     name = data.pop("experiment", DEFAULT_EXPERIMENT)
     if not isinstance(name, str):
         raise ConfigError(f"config key 'experiment' must be an experiment name, got {name!r}")

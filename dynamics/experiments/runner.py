@@ -17,7 +17,7 @@ from dynamics.callbacks import DynamicsRecorder
 from dynamics.errors import DynamicsError
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.registry import Built, Experiment, Recording
-from dynamics.store import RunFileError, RunLock, open_run
+from dynamics.store import Metric, RunFileError, RunLock, open_run
 
 #: Train losses averaged for the summary's "final train loss" (single batches are noisy).
 _FINAL_WINDOW = 50
@@ -36,6 +36,8 @@ class VariantResult:
     path: Path
     final_train_loss: float
     final_heldout_loss: float
+    best_heldout_loss: float
+    best_heldout_step: int | None
     theta0_sha256: str
 
 
@@ -76,7 +78,7 @@ def run_experiment(
         for name, path in paths.items():
             locks[name] = RunLock.acquire(path)
         torch.set_num_threads(config.threads)
-        _quiet_lightning()
+        quiet_lightning()
         built = {name: experiment.build(config, name) for name in variants}
         recordings = experiment.recordings(config, built)
         results = []
@@ -161,17 +163,28 @@ def _train_variant(
     trainer.fit(built.module, built.data)
     run = open_run(path)
     train, heldout = run.train_loss(), run.heldout_loss()
+    best = _best(heldout)
     return VariantResult(
         name=name,
         setting=setting,
         path=path,
         final_train_loss=float(np.nanmean(train.values[-_FINAL_WINDOW:])) if train else math.nan,
         final_heldout_loss=float(heldout.values[-1]) if heldout else math.nan,
+        best_heldout_loss=best[0],
+        best_heldout_step=best[1],
         theta0_sha256=run.theta0_sha256,
     )
 
 
-def _quiet_lightning() -> None:
+def _best(heldout: Metric | None) -> tuple[float, int | None]:
+    """The lowest finite held-out loss and its step; (NaN, None) when there is none."""
+    if heldout is None or not np.isfinite(heldout.values).any():
+        return math.nan, None
+    i = int(np.nanargmin(np.where(np.isfinite(heldout.values), heldout.values, np.nan)))
+    return float(heldout.values[i]), int(heldout.step[i])
+
+
+def quiet_lightning() -> None:
     # The CLI prints its own summary; Lightning's banners and tips would bury it.
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
