@@ -446,7 +446,16 @@ def _overshoot(args: argparse.Namespace) -> int:
         where = f"no loss window: {window.reason}"
     print(f"{args.run}  (run {run.name}); {where}")
     _print_table(
-        ("layer", "verdict", "signature", "peak step", "peak/plateau", "peak/start", "reason"),
+        (
+            "layer",
+            "verdict",
+            "signature",
+            "peak step",
+            "peak/plateau",
+            "peak/start",
+            "residual area",
+            "reason",
+        ),
         [
             (
                 layer.name,
@@ -455,6 +464,7 @@ def _overshoot(args: argparse.Namespace) -> int:
                 "-" if layer.peak_step is None else f"{layer.peak_step:g}",
                 "-" if layer.peak_over_plateau is None else f"{layer.peak_over_plateau:.4g}",
                 "-" if layer.peak_over_start is None else f"{layer.peak_over_start:.4g}",
+                "-" if layer.residual_area is None else f"{layer.residual_area:.4g}",
                 layer.reason,
             )
             for layer in report.layers
