@@ -224,7 +224,7 @@ def _add_band(
             fill="toself",
             fillcolor=color,
             opacity=0.2,
-            line={"width": 0},
+            line={"color": color, "width": 0.5},
             name=f"{name} min–max",
             legendgroup=name,
             hoverinfo="skip",
