@@ -8,9 +8,11 @@ import shutil
 
 import numpy as np
 import pytest
+import yaml
 
 from dynamics.analysis.groups import compare_groups, load_groups
-from dynamics.store import RunWriter, SeriesSpec
+from dynamics.store import RunWriter, SeriesSpec, open_run
+from tests.conftest import TINY_EXPERIMENT
 
 STEPS = np.arange(200)
 EVAL = STEPS[::10]
@@ -164,3 +166,33 @@ def test_bad_groups_are_one_line_errors(layout, dynamics, one_line_error, tmp_pa
         result = dynamics("compare", *args)
         one_line_error(result)
         assert message in result.stderr, result.stderr
+
+
+def test_grouped_compare_of_real_runs(dynamics, tmp_path):
+    """``dynamics run`` for two seeds, files moved into ``<variant>/seed<k>.h5``, compared; the
+    final-loss differences are the runs' own recorded final held-out losses."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY_EXPERIMENT, "steps": 20}))
+    layout = tmp_path / "layout"
+    for seed in (0, 1):
+        out = tmp_path / f"out{seed}"
+        result = dynamics("run", config, "--out", out, "--seed", seed, "--no-progress")
+        assert result.returncode == 0, result.stderr
+        for variant in ("unshifted", "shifted"):
+            (layout / variant).mkdir(parents=True, exist_ok=True)
+            (out / f"{variant}.h5").rename(layout / variant / f"seed{seed}.h5")
+    result = dynamics("compare", layout, "--json", "-o", tmp_path / "real.html")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["reference"] == "unshifted"
+    stats = {s["measure"]: s for s in data["comparisons"][0]["statistics"]}
+    final = stats["final loss, shifted − unshifted"]
+    expected = [
+        open_run(layout / "shifted" / f"seed{seed}.h5").heldout_loss().values[-1]
+        - open_run(layout / "unshifted" / f"seed{seed}.h5").heldout_loss().values[-1]
+        for seed in (0, 1)
+    ]
+    assert final["seeds"] == [0, 1]
+    assert final["values"] == pytest.approx(expected)
+    assert "range of 2 seeds" in final["method"]
+    assert (tmp_path / "real.html").exists()
