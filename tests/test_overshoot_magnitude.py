@@ -3,11 +3,14 @@ curves whose values follow in closed form, and through ``dynamics overshoot``.""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from scipy.optimize import brentq
 
 from dynamics.analysis.overshoot import detect_overshoot
+from dynamics.store import RunWriter, SeriesSpec
 
 STEPS = np.arange(5000)
 # Flat 1, rise to 2, flat top, fall to 1.5, flat plateau: smoothing leaves every flat part and
@@ -62,3 +65,21 @@ def test_area_is_in_steps_not_records():
     (every,) = detect_overshoot(STEPS, curve(STEPS)).layers
     (tenth,) = detect_overshoot(STEPS * 10, curve(STEPS)).layers
     assert tenth.residual_area == pytest.approx(10 * every.residual_area, rel=1e-9)
+
+
+def test_dynamics_overshoot_prints_the_magnitudes(dynamics, tmp_path):
+    path = tmp_path / "run.h5"
+    series = {"hidden_norms": {"norm": SeriesSpec((1,), columns=("block0",))}}
+    writer = RunWriter.create(path, series, {}, {})
+    for t, value in zip(STEPS[::5], curve(STEPS[::5])):
+        writer.append("hidden_norms", int(t), {"norm": np.array([value])})
+    writer.close()
+    (expected,) = detect_overshoot(STEPS[::5], curve(STEPS[::5])).layers
+    result = dynamics("overshoot", path, "--json")
+    assert result.returncode == 0, result.stderr
+    (layer,) = json.loads(result.stdout)["layers"]
+    assert layer["residual_area"] == pytest.approx(expected.residual_area)
+    assert layer["peak_over_plateau"] == pytest.approx(2.0 / 1.5)
+    table = dynamics("overshoot", path)
+    assert "residual area" in table.stdout.splitlines()[1]
+    assert f"{expected.residual_area:.4g}" in table.stdout
