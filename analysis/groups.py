@@ -202,9 +202,10 @@ def compare_groups(groups: Sequence[Group]) -> list[GroupComparison]:
     for group in groups[1:]:
         pairs = [(seed, reference.runs[seed], group.runs[seed]) for seed in reference.seeds]
         names = (reference.name, group.name)
+        loss = _loss_name(pairs)
         statistics = [
-            _measure(f"final loss, {group.name} − {reference.name}", DIFFERENCE, pairs, _final),
-            _measure(f"best loss, {group.name} − {reference.name}", DIFFERENCE, pairs, _best),
+            _measure(f"final {loss}, {group.name} − {reference.name}", DIFFERENCE, pairs, _final),
+            _measure(f"best {loss}, {group.name} − {reference.name}", DIFFERENCE, pairs, _best),
             _measure(
                 f"step {group.name} overtakes {reference.name}",
                 VALUE,
@@ -244,6 +245,14 @@ def _measure(
             seeds.append(seed)
             values.append(value)
     return paired_statistic(title, kind, seeds, values, missing)
+
+
+def _loss_name(pairs: list[tuple[int, Run, Run]]) -> str:
+    """``held-out loss`` or ``train loss`` when every seed pair is compared on it, else
+    ``loss`` (held-out for some seeds, training for others)."""
+    compared = [compared_loss(a, b) for _, a, b in pairs]
+    metrics = {loss.metric.split(" (")[0] for loss in compared if loss is not None}
+    return metrics.pop() if len(metrics) == 1 else "loss"
 
 
 def _smoothed_loss(a: Run, b: Run) -> tuple[np.ndarray, np.ndarray] | str:

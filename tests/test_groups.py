@@ -79,13 +79,13 @@ def statistics(layout) -> dict[str, object]:
 
 def test_paired_statistics_match_the_scripted_runs(layout):
     stats = statistics(layout)
-    final = stats["final loss, shifted − unshifted"]
+    final = stats["final held-out loss, shifted − unshifted"]
     assert final.values == pytest.approx([-0.09, -0.08, -0.07])
     assert final.centre == pytest.approx(-0.08)
     assert (final.low, final.high) == pytest.approx((-0.09, -0.07))
     assert final.p_value == pytest.approx(0.25) and final.agree == 3
     assert "range of 3 seeds" in final.method
-    best = stats["best loss, shifted − unshifted"]
+    best = stats["best held-out loss, shifted − unshifted"]
     assert best.values == pytest.approx([-0.09, -0.08, -0.07])
     crossover = stats["step shifted overtakes unshifted"]
     assert crossover.values == pytest.approx([100, 110, 120])
@@ -107,7 +107,7 @@ def test_cli_directory_layout_prints_the_table_and_writes_the_page(layout, dynam
     assert result.returncode == 0, result.stderr
     # The reference is the baseline (its variant's setting is none), not the first by name.
     assert result.stdout.splitlines()[0] == "unshifted: seeds 0, 1, 2"
-    assert "final loss, shifted − unshifted" in result.stdout
+    assert "final held-out loss, shifted − unshifted" in result.stdout
     assert "range of 3 seeds" in result.stdout
     page = out.read_text()
     assert "Paired statistics across seeds" in page
@@ -132,14 +132,14 @@ def test_cli_groups_and_json(layout, dynamics):
     assert data["reference"] == "unshifted"
     assert sorted(data["groups"]["shifted"]) == ["0", "1", "2"]
     stats = {s["measure"]: s for s in data["comparisons"][0]["statistics"]}
-    assert stats["final loss, shifted − unshifted"]["centre"] == pytest.approx(-0.08)
+    assert stats["final held-out loss, shifted − unshifted"]["centre"] == pytest.approx(-0.08)
 
 
 def test_reference_option_swaps_the_sign(layout, dynamics):
     result = dynamics("compare", layout, "--reference", "shifted", "--json")
     assert result.returncode == 0, result.stderr
     stats = {s["measure"]: s for s in json.loads(result.stdout)["comparisons"][0]["statistics"]}
-    assert stats["final loss, unshifted − shifted"]["centre"] == pytest.approx(0.08)
+    assert stats["final held-out loss, unshifted − shifted"]["centre"] == pytest.approx(0.08)
 
 
 def test_bad_groups_are_one_line_errors(layout, dynamics, one_line_error, tmp_path):
@@ -186,7 +186,7 @@ def test_grouped_compare_of_real_runs(dynamics, tmp_path):
     data = json.loads(result.stdout)
     assert data["reference"] == "unshifted"
     stats = {s["measure"]: s for s in data["comparisons"][0]["statistics"]}
-    final = stats["final loss, shifted − unshifted"]
+    final = stats["final held-out loss, shifted − unshifted"]
     expected = [
         open_run(layout / "shifted" / f"seed{seed}.h5").heldout_loss().values[-1]
         - open_run(layout / "unshifted" / f"seed{seed}.h5").heldout_loss().values[-1]
