@@ -459,8 +459,6 @@ def _compare_groups(args: argparse.Namespace) -> int:
 
     if args.group and args.runs:
         raise DynamicsError("give either --group options or run files, not both")
-    if args.output is None and not args.json:
-        raise DynamicsError("a grouped compare needs -o/--output, --json or both")
     specs = [parse_group(text) for text in args.group] or directory_groups(args.runs[0])
     if args.reference is not None:
         names = [name for name, _ in specs]

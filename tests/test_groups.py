@@ -158,7 +158,7 @@ def test_bad_groups_are_one_line_errors(layout, dynamics, one_line_error, tmp_pa
         ),
         "one group": (["--group", a, "--json"], "at least two groups"),
         "no name": (["--group", str(layout / "unshifted"), "--json"], "NAME="),
-        "no output": (["--group", a, "--group", b], "-o/--output"),
+        "no output, empty group": (["--group", a, "--group", b], "group b: no run files"),
         "unknown reference": ([str(layout), "--reference", "nope", "--json"], "no such group"),
         "runs and groups": ([str(layout), "--group", a, "--json"], "not both"),
     }
