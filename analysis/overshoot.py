@@ -136,6 +136,9 @@ class LayerOvershoot:
         peak_over_start: ``peak_value / start_value`` (None unless the start is positive).
         nonmonotonicity: RMS residual of the best increasing-or-decreasing isotonic fit to the
             smoothed series, divided by the smoothed series' range: 0 for a monotone series.
+        residual_area: the overshoot's magnitude as an area: the integral over steps
+            (trapezoid rule) of the absolute difference between the smoothed series and that
+            best isotonic fit, in norm × steps; 0 for a monotone series.
         snr: ``min(rise, fall)`` over the smoothed-curve noise; None when the noise is zero.
         noise: Standard deviation of the noise left in the smoothed series (module docstring).
         smoothing_half_width: ``h``, in records.
@@ -157,6 +160,7 @@ class LayerOvershoot:
     peak_over_plateau: float | None
     peak_over_start: float | None
     nonmonotonicity: float | None
+    residual_area: float | None
     snr: float | None
     noise: float | None
     smoothing_half_width: int | None
@@ -332,20 +336,25 @@ def _smoothed_noise(x: np.ndarray, s: np.ndarray, h: int) -> float:
     return max(white, lagged)
 
 
-def _nonmonotonicity(s: np.ndarray) -> float:
-    """RMS residual of the best monotone (isotonic) fit, over the series' range."""
+def _isotonic_residual(t: np.ndarray, s: np.ndarray) -> tuple[float, float]:
+    """``(non-monotonicity, residual area)`` of the best monotone (isotonic) fit to ``s``.
+
+    The best fit is the increasing or the decreasing one with the smaller RMS residual (fitted
+    over record order, as the smoothing is); the non-monotonicity is that RMS over the series'
+    range, the area the integral of the absolute residual over the steps ``t``.
+    """
     # Imported here: scikit-learn takes seconds to load, and every offline command imports this
     # module (dynamics.analysis) whether or not it detects overshoots.
     from sklearn.isotonic import IsotonicRegression
 
     idx = np.arange(s.size, dtype=float)
-    rms = min(
-        math.sqrt(
-            float(np.mean((s - IsotonicRegression(increasing=inc).fit_transform(idx, s)) ** 2))
-        )
-        for inc in (True, False)
-    )
-    return rms / float(np.ptp(s))
+    residuals = [
+        s - IsotonicRegression(increasing=inc).fit_transform(idx, s) for inc in (True, False)
+    ]
+    best = min(residuals, key=lambda r: float(np.mean(r**2)))
+    rms = math.sqrt(float(np.mean(best**2)))
+    area = float(np.trapezoid(np.abs(best), t.astype(float)))
+    return rms / float(np.ptp(s)), area
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -427,6 +436,7 @@ def _judge_layer(
             peak_over_plateau=None,
             peak_over_start=None,
             nonmonotonicity=None,
+            residual_area=None,
             snr=None,
             noise=None,
             smoothing_half_width=None,
@@ -452,7 +462,7 @@ def _judge_layer(
     rise, fall = peak - start, peak - plateau
     noise = _smoothed_noise(x, s, h)
     snr = min(rise, fall) / noise if noise > 0 else None
-    score = _nonmonotonicity(s)
+    score, area = _isotonic_residual(t, s)
     peak_step = t[p].item()
     peak_in_window = None if window is None else window.contains(peak_step)
 
@@ -495,6 +505,7 @@ def _judge_layer(
         peak_over_plateau=_ratio(peak, plateau),
         peak_over_start=_ratio(peak, start),
         nonmonotonicity=score,
+        residual_area=area,
         snr=snr,
         noise=noise,
         smoothing_half_width=h,

@@ -125,6 +125,7 @@ def overshoot_html(report: OvershootReport | None) -> str:
             layer.peak_over_plateau,
             layer.peak_over_start,
             layer.nonmonotonicity,
+            layer.residual_area,
             layer.snr,
             layer.peak_in_window,
             layer.reason,
@@ -140,6 +141,7 @@ def overshoot_html(report: OvershootReport | None) -> str:
         "peak / plateau",
         "peak / start",
         "non-monotonicity",
+        "isotonic residual area",
         "SNR",
         "peak in window",
         "reason",
@@ -147,6 +149,9 @@ def overshoot_html(report: OvershootReport | None) -> str:
     thresholds = ", ".join(f"{k}={v}" for k, v in report.to_dict()["thresholds"].items())
     return (
         f"<p>{html.escape(where)}</p>{html_table(header, rows, classes)}"
+        "<p class='note'>Magnitudes, whatever the verdict: peak / plateau and peak / start of "
+        "the smoothed norm, and the isotonic residual area (∫ |smoothed − best monotone fit| "
+        "over steps, in norm × steps; 0 for a monotone series).</p>"
         f"<p class='note'>Thresholds: {html.escape(thresholds)}.</p>"
     )
 

@@ -198,12 +198,32 @@ def _build_parser() -> argparse.ArgumentParser:
     _html_output_arguments(report)
     report.set_defaults(handler=_report)
 
-    compare = commands.add_parser("compare", help="compare runs with the first, as HTML")
-    compare.add_argument("reference", type=Path, metavar="RUN.h5", help="the reference run")
-    compare.add_argument(
-        "others", type=Path, nargs="+", metavar="RUN.h5", help="runs (or directories) to compare"
+    compare = commands.add_parser(
+        "compare", help="compare runs with the first, or groups of runs over seeds"
     )
-    _html_output_arguments(compare)
+    compare.add_argument(
+        "runs",
+        type=Path,
+        nargs="*",
+        metavar="RUN.h5",
+        help="the reference run, then runs (or directories) to compare; or one directory "
+        "laid out as <variant>/seed<k>.h5 (one group per subfolder)",
+    )
+    compare.add_argument(
+        "--group",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a group of runs over seeds: a folder of seed<k>.h5 files or a glob; the first "
+        "is the reference",
+    )
+    compare.add_argument(
+        "--reference", metavar="NAME", help="the reference group (default: the first)"
+    )
+    compare.add_argument(
+        "--json", action="store_true", help="groups: print the paired statistics as JSON"
+    )
+    _html_output_arguments(compare, required=False)
     compare.set_defaults(handler=_compare)
 
     overshoot = commands.add_parser(
@@ -258,8 +278,8 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _html_output_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
+def _html_output_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("-o", "--output", type=Path, required=required, help="HTML file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument(
         "--static",
@@ -467,16 +487,74 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from dynamics.analysis.groups import is_group_directory
+
+    grouped = args.group or (len(args.runs) == 1 and is_group_directory(args.runs[0]))
+    if grouped:
+        return _compare_groups(args)
+    if args.reference or args.json:
+        raise DynamicsError("--reference and --json go with groups (--group or a <variant>/ dir)")
+    if len(args.runs) < 2:
+        raise DynamicsError(
+            "compare: two or more run files are required, or groups (--group NAME=PATH)"
+        )
+    if args.output is None:
+        raise DynamicsError("compare: the argument -o/--output is required")
     from dynamics.analysis.compare import write_comparison
 
     written = write_comparison(
-        [args.reference, *args.others],
+        args.runs,
         args.output,
         args.overwrite,
         static_dir=args.static,
         static_format=args.static_format,
     )
     return _print_written(written)
+
+
+def _compare_groups(args: argparse.Namespace) -> int:
+    from dynamics.analysis.group_compare import (
+        STATISTICS_HEADER,
+        STATISTICS_NOTE,
+        groups_json,
+        statistics_rows,
+        write_group_comparison,
+    )
+    from dynamics.analysis.groups import (
+        compare_groups,
+        directory_groups,
+        load_groups,
+        parse_group,
+    )
+
+    if args.group and args.runs:
+        raise DynamicsError("give either --group options or run files, not both")
+    specs = [parse_group(text) for text in args.group] or directory_groups(args.runs[0])
+    if args.reference is not None:
+        names = [name for name, _ in specs]
+        if args.reference not in names:
+            raise DynamicsError(f"--reference {args.reference}: no such group ({', '.join(names)})")
+        specs.sort(key=lambda spec: spec[0] != args.reference)
+    groups = load_groups(specs)
+    comparisons = compare_groups(groups)
+    written = None
+    if args.output is not None:
+        written = write_group_comparison(
+            groups,
+            comparisons,
+            args.output,
+            args.overwrite,
+            static_dir=args.static,
+            static_format=args.static_format,
+        )
+    if args.json:
+        print(json.dumps(groups_json(groups, comparisons), indent=2))
+        return 0
+    for group in groups:
+        print(f"{group.name}: seeds {', '.join(map(str, group.seeds))}")
+    _print_table(STATISTICS_HEADER, statistics_rows(comparisons))
+    print(STATISTICS_NOTE)
+    return 0 if written is None else _print_written(written)
 
 
 def _print_written(written: Written) -> int:
@@ -516,7 +594,16 @@ def _overshoot(args: argparse.Namespace) -> int:
         where = f"no loss window: {window.reason}"
     print(f"{args.run}  (run {run.name}); {where}")
     _print_table(
-        ("layer", "verdict", "signature", "peak step", "peak/plateau", "peak/start", "reason"),
+        (
+            "layer",
+            "verdict",
+            "signature",
+            "peak step",
+            "peak/plateau",
+            "peak/start",
+            "residual area",
+            "reason",
+        ),
         [
             (
                 layer.name,
@@ -525,6 +612,7 @@ def _overshoot(args: argparse.Namespace) -> int:
                 "-" if layer.peak_step is None else f"{layer.peak_step:g}",
                 "-" if layer.peak_over_plateau is None else f"{layer.peak_over_plateau:.4g}",
                 "-" if layer.peak_over_start is None else f"{layer.peak_over_start:.4g}",
+                "-" if layer.residual_area is None else f"{layer.residual_area:.4g}",
                 layer.reason,
             )
             for layer in report.layers
