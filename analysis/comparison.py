@@ -30,6 +30,7 @@ from numpy.typing import ArrayLike
 
 from dynamics.analysis.run_setup import data_text
 from dynamics.analysis.smoothing import moving_average
+from dynamics.bias_audit_result import SETTINGS_KEY as AUDIT_SETTINGS_KEY
 from dynamics.store import Metric, Run, names
 
 __all__ = [
@@ -536,7 +537,16 @@ def _by_name(probes: Any) -> dict[str, Any] | None:
     """The probes' records keyed by probe name, so they are matched whatever their order."""
     if not isinstance(probes, list):
         return None
-    return {str(p.get("name")): p for p in probes if isinstance(p, dict)}
+    return {str(p.get("name")): _setup_of(p) for p in probes if isinstance(p, dict)}
+
+
+def _setup_of(probe: dict[str, Any]) -> dict[str, Any]:
+    """A probe's record without what it measured: BiasAudit keeps its audit of θ0 in its
+    settings, which differs between seeds of the same setup."""
+    settings = probe.get("settings")
+    if not isinstance(settings, dict) or AUDIT_SETTINGS_KEY not in settings:
+        return probe
+    return {**probe, "settings": {k: v for k, v in settings.items() if k != AUDIT_SETTINGS_KEY}}
 
 
 def _flat_differences(a: Any, b: Any) -> dict[str, tuple[Any, Any]]:

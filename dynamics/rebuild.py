@@ -68,6 +68,8 @@ def module_record(module: nn.Module) -> dict[str, Any]:
     hparams = dict(getattr(module, "hparams", {}) or {})
     init_args, unrecorded = {}, []
     for name, value in hparams.items():
+        if name.startswith("_"):  # LightningCLI's _class_path/_instantiator, not init args
+            continue
         try:
             init_args[name] = json.loads(json.dumps(value))
         except (TypeError, ValueError):
@@ -430,7 +432,9 @@ def _attribute(module: Any, qualname: str, spec: str) -> Any:
     for part in qualname.split("."):
         target = getattr(target, part, None)
         if target is None:
-            raise DynamicsError(f"{spec}: {module.__name__} has no {qualname}")
+            # The file, not the module's name: a script is imported under a private alias.
+            where = getattr(module, "__file__", None) or module.__name__
+            raise DynamicsError(f"{spec}: {where} has no {qualname}")
     return target
 
 

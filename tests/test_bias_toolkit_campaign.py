@@ -107,12 +107,6 @@ class CLIModel(pl.LightningModule):
         self.layer = nn.Linear(2, width)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dynamics/rebuild.py (outside this campaign's files) records LightningCLI's "
-    "_class_path/_instantiator hyperparameters as init args, so `dynamics plane` and "
-    "`dynamics audit RUN.h5 --input-shape` cannot rebuild any LightningCLI subclass-mode model",
-)
 def test_a_lightningcli_model_is_rebuilt_from_its_recorded_init_args():
     cli = LightningCLI(
         args={"model": {"class_path": f"{__name__}.CLIModel", "init_args": {"width": 5}}},
@@ -122,14 +116,10 @@ def test_a_lightningcli_model_is_rebuilt_from_its_recorded_init_args():
     )
     record = module_record(cli.model)
     assert record["init_args"] == {"width": 5}
-    assert build_module(record["class_path"], record["init_args"]).layer.out_features == 5
+    module, _, name = record["class_path"].rpartition(".")
+    assert build_module(f"{module}:{name}", record["init_args"]).layer.out_features == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dynamics/rebuild.py (outside this campaign's files) names its private import "
-    "alias (_dynamics_model_<hash>_<file>) in the error for a missing class in a script",
-)
 def test_a_missing_class_in_a_script_is_named_by_the_users_path(tmp_path):
     script = tmp_path / "net.py"
     script.write_text("import torch\nclass Net(torch.nn.Linear):\n    pass\n")
@@ -138,12 +128,6 @@ def test_a_missing_class_in_a_script_is_named_by_the_users_path(tmp_path):
     assert "_dynamics_model_" not in str(error.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="analysis/comparison.py (outside this campaign's files) compares the probes' "
-    "settings, where BiasAudit stores its measurements: two runs set up alike but seeded "
-    "differently are reported as differing in their probes",
-)
 def test_runs_set_up_alike_do_not_differ_in_their_probes_by_the_audits_measurements(tmp_path):
     runs = []
     for seed in (0, 1):
