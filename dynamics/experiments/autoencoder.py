@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dynamics.bias import shift_activations
+from dynamics.experiments.variants import shifted_network
 
 #: The split's permutation seed: the same held-out images for every config.
 _SPLIT_SEED = 0
@@ -90,12 +90,7 @@ class AutoencoderModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            net = conv_autoencoder(width, init)
-        if shift != "none":
-            # Surgery keeps the parameters: θ0 is the unshifted model's.
-            shift_activations(net, shift, dim=1)
+        net = shifted_network(lambda: conv_autoencoder(width, init), seed, shift, dim=1)
         self.encoder, self.decoder = net[0], net[1]
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

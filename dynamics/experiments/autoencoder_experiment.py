@@ -11,11 +11,9 @@ batch (the same for every variant), the bias audit at θ0, the loss change of ev
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dynamics.activations import SHIFTS
 from dynamics.callbacks import (
     BiasAudit,
     BiasComponent,
@@ -32,9 +30,10 @@ from dynamics.experiments.config import (
     ExperimentConfig,
     check_positive,
     check_seeds,
-    check_variant_names,
+    check_shift_variants,
 )
 from dynamics.experiments.registry import Built, Experiment, Recording, register
+from dynamics.experiments.variants import shared_probe_batch
 from dynamics.store import names
 
 #: The 1,797 digits of scikit-learn.
@@ -125,15 +124,7 @@ class AutoencoderConfig(ExperimentConfig):
             raise ConfigError(
                 f"model.init must be one of {', '.join(INITS)}, got {self.model.init!r}"
             )
-        if not self.variants:
-            raise ConfigError("variants must name at least one autoencoder")
-        for name, shift in self.variants.items():
-            numeric = isinstance(shift, (int, float)) and not isinstance(shift, bool)
-            if shift not in SHIFTS and not (numeric and math.isfinite(shift)):
-                raise ConfigError(
-                    f"variants.{name}: shift must be one of {SHIFTS} or a finite number: {shift!r}"
-                )
-        check_variant_names(self.variants)
+        check_shift_variants(self.variants, "autoencoder")
         return self
 
 
@@ -161,9 +152,7 @@ class Autoencoder(Experiment[AutoencoderConfig]):
     def recordings(
         self, config: AutoencoderConfig, built: Mapping[str, Built]
     ) -> dict[str, Recording]:
-        first = next(iter(built.values())).data
-        first.setup("fit")
-        probe_batch = next(iter(first.train_dataloader()))
+        probe_batch = shared_probe_batch(built)
         record = config.record
         every = record.every_n_steps
         recordings = {}

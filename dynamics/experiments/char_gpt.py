@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from dynamics.bias import shift_activations
+from dynamics.experiments.variants import shifted_network
 from dynamics.models import MLP_ACTIVATIONS, CharGPT
 
 
@@ -73,12 +73,12 @@ class CharGPTModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.model = CharGPT(256, context, width, depth, heads, activation)
-        if shift != "none":
-            # Surgery keeps the parameters: θ0 is the unshifted model's.
-            shift_activations(self.model, shift, include=[MLP_ACTIVATIONS], dim=-1)
+        self.model = shifted_network(
+            lambda: CharGPT(256, context, width, depth, heads, activation),
+            seed,
+            shift,
+            include=[MLP_ACTIVATIONS],
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -22,6 +22,7 @@ from dynamics.experiments.scaleup import (
     default_variants,
     transformer_recordings,
 )
+from dynamics.experiments.variants import shared_probe_batch
 from dynamics.store import names
 
 #: The bits-per-character key :class:`CharGPTModule` logs.
@@ -106,9 +107,7 @@ class CharGPTExperiment(Experiment[CharGPTConfig]):
         return Built(module, StdlibTextData(context=config.model.context, **vars(config.data)))
 
     def recordings(self, config: CharGPTConfig, built: Mapping[str, Built]) -> dict[str, Recording]:
-        first = next(iter(built.values())).data
-        first.setup("fit")
-        probe_batch = next(iter(first.train_dataloader()))
+        probe_batch = shared_probe_batch(built)
         return transformer_recordings(
             config.record, list(built), probe_batch, [names.VAL_LOSS, VAL_BPC]
         )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from dynamics.activations import SHIFTS
 from dynamics.errors import DynamicsError
 from dynamics.experiments.registry import get
 
@@ -149,6 +150,31 @@ def parse_seeds(value: Any, name: str = "seeds") -> list[int]:
     if twice:
         raise ConfigError(f"{name}: seed {twice[0]} is given twice")
     return sorted(seeds)
+
+
+def check_shifts(shifts: Mapping[str, Any]) -> None:
+    """Refuse a shift that is neither one of :data:`~dynamics.activations.SHIFTS` nor a finite
+    number.
+
+    Raises:
+        ConfigError: naming the key of the first bad shift.
+    """
+    for key, shift in shifts.items():
+        numeric = isinstance(shift, (int, float)) and not isinstance(shift, bool)
+        if shift not in SHIFTS and not (numeric and math.isfinite(shift)):
+            raise ConfigError(f"{key}: shift must be one of {SHIFTS} or a finite number: {shift!r}")
+
+
+def check_shift_variants(variants: Mapping[str, Any], model: str) -> None:
+    """Refuse ``{variant: shift}`` that names no ``model``, a bad shift or a bad variant name.
+
+    Raises:
+        ConfigError: naming the first bad key.
+    """
+    if not variants:
+        raise ConfigError(f"variants must name at least one {model}")
+    check_shifts({f"variants.{name}": shift for name, shift in variants.items()})
+    check_variant_names(variants)
 
 
 def check_variant_names(names: Iterable[str]) -> None:

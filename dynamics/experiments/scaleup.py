@@ -9,12 +9,10 @@ every forward).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dynamics.activations import SHIFTS
 from dynamics.callbacks import (
     HessianSpectrum,
     HiddenStateNorms,
@@ -22,7 +20,7 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.experiments.config import ConfigError, check_positive, check_variant_names
+from dynamics.experiments.config import ConfigError, check_positive, check_shift_variants
 from dynamics.experiments.registry import Recording
 from dynamics.models import ACTIVATION_MODULES
 
@@ -87,15 +85,7 @@ def check_common(
     if activation not in ACTIVATION_MODULES:
         known = ", ".join(ACTIVATION_MODULES)
         raise ConfigError(f"model.activation must be one of {known}, got {activation!r}")
-    if not variants:
-        raise ConfigError("variants must name at least one model")
-    for name, shift in variants.items():
-        numeric = isinstance(shift, (int, float)) and not isinstance(shift, bool)
-        if shift not in SHIFTS and not (numeric and math.isfinite(shift)):
-            raise ConfigError(
-                f"variants.{name}: shift must be one of {SHIFTS} or a finite number: {shift!r}"
-            )
-    check_variant_names(variants)
+    check_shift_variants(variants, "model")
 
 
 def transformer_recordings(

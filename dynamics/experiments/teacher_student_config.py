@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from dynamics.activations import ACTIVATIONS, SHIFTS
+from dynamics.activations import ACTIVATIONS
 from dynamics.experiments.config import (
     ConfigError,
     ExperimentConfig,
     check_positive,
     check_seeds,
-    check_variant_names,
+    check_shift_variants,
+    check_shifts,
 )
 from dynamics.experiments.teacher_student import OPTIMIZERS, parameter_count
 from dynamics.memory import check_fits
@@ -100,18 +100,9 @@ class TeacherStudentConfig(ExperimentConfig):
         for key, (value, known) in choices.items():
             if value not in known:
                 raise ConfigError(f"{key} must be one of {', '.join(known)}, got {value!r}")
-        if not self.variants:
-            raise ConfigError("variants must name at least one student")
-        shifts = {f"variants.{name}": shift for name, shift in self.variants.items()}
-        shifts["data.teacher_shift"] = self.data.teacher_shift
-        for key, shift in shifts.items():
-            numeric = isinstance(shift, (int, float)) and not isinstance(shift, bool)
-            if shift not in SHIFTS and not (numeric and math.isfinite(shift)):
-                raise ConfigError(
-                    f"{key}: shift must be one of {SHIFTS} or a finite number: {shift!r}"
-                )
+        check_shift_variants(self.variants, "student")
+        check_shifts({"data.teacher_shift": self.data.teacher_shift})
         self._check_size()
-        check_variant_names(self.variants)
         return self
 
     def _check_size(self) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from dynamics.bias import shift_activations
+from dynamics.experiments.variants import shifted_network
 from dynamics.models import MLP_ACTIVATIONS, ViT
 
 #: The split's seed: the same held-out images for every config.
@@ -55,12 +55,12 @@ class ViTDigitsModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.model = ViT(8, patch_size, 1, 10, width, depth, heads, activation)
-        if shift != "none":
-            # Surgery keeps the parameters: θ0 is the unshifted model's.
-            shift_activations(self.model, shift, include=[MLP_ACTIVATIONS], dim=-1)
+        self.model = shifted_network(
+            lambda: ViT(8, patch_size, 1, 10, width, depth, heads, activation),
+            seed,
+            shift,
+            include=[MLP_ACTIVATIONS],
+        )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)

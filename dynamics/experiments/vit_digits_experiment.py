@@ -19,6 +19,7 @@ from dynamics.experiments.scaleup import (
     default_variants,
     transformer_recordings,
 )
+from dynamics.experiments.variants import shared_probe_batch
 from dynamics.experiments.vit_digits import DIGITS, LabelledDigitsData, ViTDigitsModule
 from dynamics.store import names
 
@@ -110,9 +111,7 @@ class ViTDigitsExperiment(Experiment[ViTDigitsConfig]):
     def recordings(
         self, config: ViTDigitsConfig, built: Mapping[str, Built]
     ) -> dict[str, Recording]:
-        first = next(iter(built.values())).data
-        first.setup("fit")
-        probe_batch = next(iter(first.train_dataloader()))
+        probe_batch = shared_probe_batch(built)
         return transformer_recordings(
             config.record, list(built), probe_batch, [names.VAL_LOSS, VAL_ACC]
         )
