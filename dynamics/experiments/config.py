@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import yaml
 
 from dynamics.activations import SHIFTS
@@ -34,6 +35,18 @@ _INT64_MAX = 2**63 - 1
 MAX_SEEDS = 1000
 
 
+#: The Lightning accelerators a config may name, each with whether this machine has one. Runs
+#: use one device (the first visible: ``CUDA_VISIBLE_DEVICES`` picks which); "gpu" is CUDA or
+#: Apple's MPS, "auto" the best this machine has.
+ACCELERATORS: dict[str, Callable[[], bool]] = {
+    "cpu": lambda: True,
+    "cuda": torch.cuda.is_available,
+    "mps": torch.backends.mps.is_available,
+    "gpu": lambda: torch.cuda.is_available() or torch.backends.mps.is_available(),
+    "auto": lambda: True,
+}
+
+
 class ConfigError(DynamicsError):
     """A configuration that cannot be run; the message is one line for the user."""
 
@@ -50,6 +63,7 @@ class ExperimentConfig:
         steps: optimizer steps per variant.
         eval_every: steps between held-out evaluations.
         threads: torch CPU threads (1 is fastest for models this small on a shared machine).
+        accelerator: where each run trains, one of :data:`ACCELERATORS` (one device).
     """
 
     seed: int = 0
@@ -57,6 +71,7 @@ class ExperimentConfig:
     steps: int = 2000
     eval_every: int = 100
     threads: int = 1
+    accelerator: str = "cpu"
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a run file records it: one seed (``seeds`` is the group's, in its
@@ -82,6 +97,12 @@ class ExperimentConfig:
                 f"eval_every ({self.eval_every}) must be at most steps ({self.steps}), "
                 "or no held-out loss is ever measured"
             )
+        if not isinstance(self.accelerator, str) or self.accelerator not in ACCELERATORS:
+            raise ConfigError(
+                f"accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}"
+            )
+        if not ACCELERATORS[self.accelerator]():
+            raise ConfigError(f"accelerator {self.accelerator}: this machine has none")
         cores = os.cpu_count() or 1
         if self.threads > cores:
             raise ConfigError(

@@ -16,6 +16,7 @@ import torch
 from dynamics.callbacks import DynamicsRecorder
 from dynamics.errors import DynamicsError
 from dynamics.experiments.config import ExperimentConfig
+from dynamics.experiments.progress import ReturnedLossBar
 from dynamics.experiments.registry import Built, Experiment, Recording
 from dynamics.store import Metric, RunFileError, RunLock, open_run
 
@@ -146,21 +147,7 @@ def _train_variant(
         run_name=name,
         flush_interval_s=recording.flush_interval_s,
     )
-    trainer = pl.Trainer(
-        max_steps=config.steps,
-        val_check_interval=config.eval_every,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        callbacks=[recorder],
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=progress,
-        deterministic=True,
-    )
-    trainer.fit(built.module, built.data)
+    trainer_for(config, [recorder], progress).fit(built.module, built.data)
     run = open_run(path)
     train, heldout = run.train_loss(), run.heldout_loss()
     best = _best(heldout)
@@ -173,6 +160,30 @@ def _train_variant(
         best_heldout_loss=best[0],
         best_heldout_step=best[1],
         theta0_sha256=run.theta0_sha256,
+    )
+
+
+def trainer_for(
+    config: ExperimentConfig, callbacks: list[pl.Callback], progress: bool
+) -> pl.Trainer:
+    """The Trainer that trains one variant of ``config``, with ``callbacks`` (the recorder).
+
+    No logger, and a bar that shows the returned loss, so that modules need not log it every
+    step (:mod:`dynamics.experiments.progress`).
+    """
+    return pl.Trainer(
+        max_steps=config.steps,
+        val_check_interval=config.eval_every,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        callbacks=[*callbacks, *([ReturnedLossBar(config.steps)] if progress else [])],
+        accelerator=config.accelerator,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=progress,
+        deterministic=True,
     )
 
 

@@ -1,0 +1,143 @@
+"""Training throughput of the default teacher–student student: bare loop vs ``Trainer.fit``.
+
+Five ways of training the ``unshifted`` student of ``configs/teacher_student.yaml`` (width 64,
+depth 4, Adam, batch 128, held-out loss every ``eval_every`` steps), each for ``--steps``
+steps from the same θ0 on the same batches, in alternating rounds in one process (the order
+flips every round); prints steps/s as the median over rounds with min and max, and the ratios
+of medians:
+
+- ``bare``: a plain PyTorch loop over the same module, data stream and optimizer, with the
+  held-out loss every ``eval_every`` steps;
+- ``fit before``: ``Trainer.fit`` as ``dynamics run`` configured it before the fast path
+  (Lightning's default progress bar redrawn every step, the module logging its training
+  loss every step);
+- ``fit now``: ``Trainer.fit`` as ``dynamics run`` configures it now
+  (:func:`dynamics.experiments.runner.trainer_for`: a bar redrawn every 1 % of the run that
+  shows the returned loss, so the module logs none);
+- ``run before`` / ``run now``: the same two Trainers with the recorder and the config's
+  probes (every-step norms, displacement and plane coordinates, the top-5 Hessian every 100
+  steps), i.e. what ``dynamics run`` trains per variant.
+
+Bars draw into /dev/null (the cost of computing and formatting them stays; a terminal adds
+its own). The fast path changes nothing recorded: tests/test_training_speed.py compares the
+run files of both paths bit for bit.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_training_loop.py [--steps 300 --rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+
+from dynamics.callbacks import DynamicsRecorder
+from dynamics.experiments.config import load_config
+from dynamics.experiments.runner import quiet_lightning, trainer_for
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"
+VARIANT = "unshifted"
+
+
+def before(config, callbacks: list[pl.Callback]) -> pl.Trainer:
+    """The Trainer ``dynamics run`` built before the fast path, progress bar on."""
+    return pl.Trainer(
+        max_steps=config.steps,
+        val_check_interval=config.eval_every,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=True,
+        deterministic=True,
+    )
+
+
+def bare(experiment, config, folder: Path) -> float:
+    built = experiment.build(config, VARIANT)
+    module, optimizer = built.module, built.module.configure_optimizers()
+    batches = iter(built.data.train_dataloader())
+    heldout = next(iter(built.data.val_dataloader()))
+    start = time.perf_counter()
+    for step in range(1, config.steps + 1):
+        loss = module.dynamics_loss(next(batches))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % config.eval_every == 0:
+            with torch.no_grad():
+                module.dynamics_loss(heldout)
+    return config.steps / (time.perf_counter() - start)
+
+
+def fitted(make: Callable, recorded: bool) -> Callable:
+    def measure(experiment, config, folder: Path) -> float:
+        built = experiment.build(config, VARIANT)
+        callbacks = []
+        if recorded:
+            recording = experiment.recordings(config, {VARIANT: built})[VARIANT]
+            path = folder / f"{time.perf_counter_ns()}.h5"
+            callbacks = [DynamicsRecorder(path, probes=recording.probes, overwrite=True)]
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            with contextlib.redirect_stderr(sink):
+                trainer = make(config, callbacks)
+                start = time.perf_counter()
+                trainer.fit(built.module, built.data)
+        return config.steps / (time.perf_counter() - start)
+
+    return measure
+
+
+CASES = {
+    "bare": bare,
+    "fit before": fitted(before, recorded=False),
+    "fit now": fitted(lambda c, cb: trainer_for(c, cb, progress=True), recorded=False),
+    "run before": fitted(before, recorded=True),
+    "run now": fitted(lambda c, cb: trainer_for(c, cb, progress=True), recorded=True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    experiment, config = load_config(CONFIG, steps=args.steps)
+    torch.set_num_threads(config.threads)
+    quiet_lightning()
+    rates: dict[str, list[float]] = {name: [] for name in CASES}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(args.rounds):
+            order = list(CASES) if round_ % 2 == 0 else list(reversed(CASES))
+            for name in order:
+                rates[name].append(CASES[name](experiment, config, Path(folder)))
+    print(f"{args.steps} steps of the {VARIANT} student, {args.rounds} rounds, steps/s:")
+    for name, values in rates.items():
+        print(
+            f"  {name:11s} median {statistics.median(values):6.1f}"
+            f"  min {min(values):6.1f}  max {max(values):6.1f}"
+        )
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    for a, b in [
+        ("bare", "fit before"),
+        ("bare", "fit now"),
+        ("fit now", "fit before"),
+        ("run now", "run before"),
+    ]:
+        print(f"  {a} / {b}: {median[a] / median[b]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
