@@ -1,16 +1,19 @@
 """Training throughput of the default teacher–student student: bare loop vs ``Trainer.fit``.
 
-Five ways of training the ``unshifted`` student of ``configs/teacher_student.yaml`` (width 64,
+Six ways of training the ``unshifted`` student of ``configs/teacher_student.yaml`` (width 64,
 depth 4, Adam, batch 128, held-out loss every ``eval_every`` steps), each for ``--steps``
 steps from the same θ0 on the same batches, in alternating rounds in one process (the order
-flips every round); prints steps/s as the median over rounds with min and max, and the ratios
-of medians:
+flips every round); prints steps per CPU second of the process (``--wall``: per wall-clock
+second) as the median over rounds with min and max, and each ratio as the median (min–max) of
+its per-round ratios:
 
+- ``data``: drawing the training batches alone (Gaussian inputs through the teacher);
 - ``bare``: a plain PyTorch loop over the same module, data stream and optimizer, with the
   held-out loss every ``eval_every`` steps;
 - ``fit before``: ``Trainer.fit`` as ``dynamics run`` configured it before the fast path
-  (Lightning's default progress bar redrawn every step, the module logging its training
-  loss every step);
+  (Lightning's default progress bar, ``RichProgressBar`` where rich is installed, as in the
+  dev environment, else ``TQDMProgressBar``, redrawn every step; the module logging its
+  training loss every step);
 - ``fit now``: ``Trainer.fit`` as ``dynamics run`` configures it now
   (:func:`dynamics.experiments.runner.trainer_for`: a bar redrawn every 1 % of the run that
   shows the returned loss, so the module logs none);
@@ -22,7 +25,8 @@ Bars draw into /dev/null (the cost of computing and formatting them stays; a ter
 its own). The fast path changes nothing recorded: tests/test_training_speed.py compares the
 run files of both paths bit for bit.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_training_loop.py [--steps 300 --rounds 5]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_training_loop.py \
+        [--steps 500 --rounds 5 --wall]
 """
 
 from __future__ import annotations
@@ -65,12 +69,12 @@ def before(config, callbacks: list[pl.Callback]) -> pl.Trainer:
     )
 
 
-def bare(experiment, config, folder: Path) -> float:
+def bare(experiment, config, folder: Path, clock: Callable[[], float]) -> float:
     built = experiment.build(config, VARIANT)
     module, optimizer = built.module, built.module.configure_optimizers()
     batches = iter(built.data.train_dataloader())
     heldout = next(iter(built.data.val_dataloader()))
-    start = time.perf_counter()
+    start = clock()
     for step in range(1, config.steps + 1):
         loss = module.dynamics_loss(next(batches))
         optimizer.zero_grad()
@@ -79,11 +83,19 @@ def bare(experiment, config, folder: Path) -> float:
         if step % config.eval_every == 0:
             with torch.no_grad():
                 module.dynamics_loss(heldout)
-    return config.steps / (time.perf_counter() - start)
+    return config.steps / (clock() - start)
+
+
+def data(experiment, config, folder: Path, clock: Callable[[], float]) -> float:
+    batches = iter(experiment.build(config, VARIANT).data.train_dataloader())
+    start = clock()
+    for _ in range(config.steps):
+        next(batches)
+    return config.steps / (clock() - start)
 
 
 def fitted(make: Callable, recorded: bool) -> Callable:
-    def measure(experiment, config, folder: Path) -> float:
+    def measure(experiment, config, folder: Path, clock: Callable[[], float]) -> float:
         built = experiment.build(config, VARIANT)
         callbacks = []
         if recorded:
@@ -93,14 +105,15 @@ def fitted(make: Callable, recorded: bool) -> Callable:
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
             with contextlib.redirect_stderr(sink):
                 trainer = make(config, callbacks)
-                start = time.perf_counter()
+                start = clock()
                 trainer.fit(built.module, built.data)
-        return config.steps / (time.perf_counter() - start)
+        return config.steps / (clock() - start)
 
     return measure
 
 
 CASES = {
+    "data": data,
     "bare": bare,
     "fit before": fitted(before, recorded=False),
     "fit now": fitted(lambda c, cb: trainer_for(c, cb, progress=True), recorded=False),
@@ -111,9 +124,13 @@ CASES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--wall", action="store_true", help="wall time instead of CPU time")
     args = parser.parse_args()
+    # CPU seconds of this process (all its threads) by default: on a shared machine, wall time
+    # swings with whatever else runs.
+    clock = time.perf_counter if args.wall else time.process_time
     experiment, config = load_config(CONFIG, steps=args.steps)
     torch.set_num_threads(config.threads)
     quiet_lightning()
@@ -122,21 +139,28 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = list(CASES) if round_ % 2 == 0 else list(reversed(CASES))
             for name in order:
-                rates[name].append(CASES[name](experiment, config, Path(folder)))
-    print(f"{args.steps} steps of the {VARIANT} student, {args.rounds} rounds, steps/s:")
+                rates[name].append(CASES[name](experiment, config, Path(folder), clock))
+    bar = type(before(config, []).progress_bar_callback).__name__
+    unit = "wall" if args.wall else "CPU"
+    print(f"{args.steps} steps of the {VARIANT} student, {args.rounds} rounds, steps per {unit} s")
+    print(f"(fit before: Lightning's default bar, here {bar}):")
     for name, values in rates.items():
         print(
             f"  {name:11s} median {statistics.median(values):6.1f}"
             f"  min {min(values):6.1f}  max {max(values):6.1f}"
         )
-    median = {name: statistics.median(values) for name, values in rates.items()}
     for a, b in [
         ("bare", "fit before"),
         ("bare", "fit now"),
         ("fit now", "fit before"),
         ("run now", "run before"),
+        ("fit now", "run now"),
     ]:
-        print(f"  {a} / {b}: {median[a] / median[b]:.2f}x")
+        ratios = [x / y for x, y in zip(rates[a], rates[b])]
+        print(
+            f"  {a} / {b}: {statistics.median(ratios):.2f}x"
+            f"  (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        )
 
 
 if __name__ == "__main__":

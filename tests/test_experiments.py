@@ -1,18 +1,22 @@
 """The experiment registry: an experiment defined outside the package runs from its config."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
+import torch
 
 from dynamics import open_run
 from dynamics.callbacks import LoggedMetrics, TrainingLoss
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.experiments.config import ExperimentConfig, load_config
+from dynamics.experiments.config import ConfigError, ExperimentConfig, load_config
 from dynamics.experiments.registry import Built, Experiment, Recording, get, register
 from dynamics.experiments.runner import run_experiment
 
 ARCH = dict(width=8, expansion=2, depth=2)
+TEACHER_STUDENT = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"
 
 
 @dataclass
@@ -83,3 +87,37 @@ def test_run_with_the_teachers_seed_number(tmp_path, dynamics):
     result = dynamics("run", tmp_path / "tiny.yaml", "--out", tmp_path, "--seed", "1")
     assert result.returncode == 0, result.stderr
     assert open_run(tmp_path / "shifted.h5").shares_theta0(open_run(tmp_path / "unshifted.h5"))
+
+
+def test_accelerator_is_validated_and_reaches_the_trainer(tmp_path, monkeypatch):
+    assert load_config(TEACHER_STUDENT)[1].accelerator == "cpu"
+    for bad, message in [
+        ("tpu9", "accelerator must be one of cpu, cuda, mps, gpu, auto, got 'tpu9'"),
+        (["cpu"], "accelerator must be one of .*, got \\['cpu'\\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(TEACHER_STUDENT, accelerator=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="^accelerator cuda: this machine has none$"):
+            load_config(TEACHER_STUDENT, accelerator="cuda")
+
+    seen = {}
+
+    class Spy(pl.Trainer):
+        def __init__(self, **settings):
+            seen.update(settings)
+            super().__init__(**settings)
+
+    monkeypatch.setattr(pl, "Trainer", Spy)
+    experiment, config = load_config(TEACHER_STUDENT, steps=2, eval_every=2, accelerator="auto")
+    run_experiment(experiment, config, tmp_path, progress=False)
+    assert seen["accelerator"] == "auto" and seen["devices"] == 1
+    assert open_run(tmp_path / "shifted.h5").config["accelerator"] == "auto"
+
+
+def test_an_unknown_accelerator_is_one_line_from_the_cli(tmp_path, dynamics, one_line_error):
+    (tmp_path / "gpu.yaml").write_text("accelerator: tpu9\nsteps: 2\neval_every: 2\n")
+    result = dynamics("run", tmp_path / "gpu.yaml", "--out", tmp_path / "runs")
+    one_line_error(result)
+    assert "accelerator must be one of" in result.stderr
+    assert not (tmp_path / "runs").exists()

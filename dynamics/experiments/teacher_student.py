@@ -108,7 +108,7 @@ class TeacherStudentModule(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         loss = self.dynamics_loss(batch)
-        # self.log is most of Lightning's per-step overhead at this model size
+        # self.log every step is a large share of Lightning's per-step cost at this model size
         # (benchmarks/bench_training_loop.py): only for a reader; the recorder reads the return.
         if logs_training_loss(self.trainer):
             self.log("train_loss", loss, prog_bar=True)
