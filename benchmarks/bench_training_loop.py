@@ -45,11 +45,11 @@ and the student's ``self.log`` of its training loss went through Lightning's res
 on every step (cProfile of 600 steps: the log 15 % of ``Trainer.fit``'s time). ``dynamics
 run`` now shows the returned loss on a bar redrawn every 1 % of the run, and the student logs
 only for a logger or Lightning's own bar. Not changed: the run is already one endless epoch
-(the training data are a stream); deterministic mode was within noise in a side measurement on the CPU;
-validation every 100 steps is one forward of the 2048 held-out rows, as in the bare loop; and
-drawing the data in blocks was left out: the teacher's forward over a block of batches equals
-the batches' own forwards only where the BLAS kernel happens not to depend on the row count,
-which no one guarantees, and it would save a fraction of that sixth.
+(the training data are a stream); deterministic mode was within noise in a side measurement
+on the CPU; validation every 100 steps is one forward of the 2048 held-out rows, as in the
+bare loop; and drawing the data in blocks was left out: the teacher's forward over a block of
+batches equals the batches' own forwards only where the BLAS kernel happens not to depend on
+the row count, which no one guarantees, and it would save a fraction of that sixth.
 """
 
 from __future__ import annotations
