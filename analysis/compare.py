@@ -48,6 +48,7 @@ from dynamics.analysis.figures import (
     loss,
     run_colors,
 )
+from dynamics.analysis.loss_barrier import POINTS, barrier_section, loss_barriers
 from dynamics.analysis.output import check_output
 from dynamics.analysis.overshoot import OvershootReport
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, slug, write_page
@@ -74,6 +75,7 @@ def write_comparison(
     *,
     static_dir: str | os.PathLike | None = None,
     static_format: str = "png",
+    barrier_points: int = POINTS,
 ) -> Written:
     """Write one self-contained HTML page comparing runs with the first one.
 
@@ -85,6 +87,9 @@ def write_comparison(
         static_dir: also export every figure into this folder (see
             :func:`dynamics.analysis.report.write_report`).
         static_format: ``"png"`` or ``"svg"``.
+        barrier_points: points along each line of the loss barriers (0: none evaluated);
+            see :mod:`dynamics.analysis.loss_barrier`. A run whose model cannot be rebuilt
+            gets a one-line remark instead.
 
     Returns:
         What was written.
@@ -119,6 +124,12 @@ def write_comparison(
         "<h2>Overlaid</h2>",
     ]
     body += [figure_html(figure, i) for i, (_, figure) in enumerate(figures)]
+    if barrier_points:
+        barriers = loss_barriers(runs, labels, barrier_points)
+        section, figure = barrier_section(barriers, labels, len(figures))
+        body.append(section)
+        if figure is not None:
+            figures.append(("loss-barrier", figure))
     body.append("<h2>Overshoot verdicts</h2>")
     for label, report in zip(labels, overshoots):
         body.append(f"<h3>{html.escape(label)}</h3>{overshoot_html(report)}")
