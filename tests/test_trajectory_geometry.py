@@ -73,7 +73,7 @@ def hand_computed(steps: int, batch_size: int, accumulate: int = 1, clip: float 
     path, rows, previous = 0.0, [], None
     micro = batch_size
     for t in range(steps):
-        first = t * accumulate * micro
+        first = t * accumulate * micro % len(TARGETS)  # epochs restart the unshuffled data
         means = [
             TARGETS[first + k * micro : first + (k + 1) * micro].mean(0) for k in range(accumulate)
         ]
@@ -217,3 +217,27 @@ def test_report_and_compare_draw_the_series(tmp_path):
         "descent direction",
     ):
         assert title in report and title in compare
+
+
+def test_a_resumed_fit_continues_the_same_path(tmp_path):
+    """The path length and the previous update's direction come back from the checkpoint
+    (saved at an epoch's end: Lightning restarts an unshuffled epoch it resumes in its middle)."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    def fit_checkpointed(path, max_steps, ckpt_path=None):
+        checkpoint = ModelCheckpoint(tmp_path / path.stem, every_n_train_steps=4, save_top_k=-1)
+        recorder = DynamicsRecorder(path, [TrajectoryGeometry()], flush_interval_s=1e9)
+        trainer = make_quiet_trainer(
+            max_steps=max_steps, enable_checkpointing=True, callbacks=[recorder, checkpoint]
+        )
+        trainer.fit(Quadratic(batch_size=4), ckpt_path=ckpt_path)
+
+    straight, resumed = tmp_path / "straight.h5", tmp_path / "resumed.h5"
+    fit_checkpointed(straight, 7)
+    fit_checkpointed(resumed, 5)
+    fit_checkpointed(resumed, 7, tmp_path / "resumed" / "epoch=0-step=4.ckpt")
+    a, b = (open_run(p).series(names.TRAJECTORY) for p in (straight, resumed))
+    np.testing.assert_array_equal(b.step, range(7))
+    for name in a.values:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert_rows(open_run(resumed), hand_computed(7, batch_size=4), range(7))
