@@ -104,17 +104,29 @@ def loss_barriers(
     Returns:
         The lines evaluated, and a one-line remark for each run or pair that could not be.
     """
-    # Imported here: only a comparison that evaluates lines needs torch and the models.
-    from dynamics.analysis.plane_run import rebuilt_surface
-    from dynamics.rebuild import probe_batch
-
     alphas = np.linspace(0.0, 1.0, points)
     lines, remarks = [], []
-    usable = {}  # label: run, for the runs whose own line could be evaluated
+    candidates = []  # (run, label) of the runs that store what a line needs
+    lacking: dict[str, list[str]] = {}  # what is missing: the runs that lack it
     for run, label in zip(runs, labels):
+        missing = _missing(run)
+        if missing:
+            lacking.setdefault(missing, []).append(label)
+        else:
+            candidates.append((run, label))
+    remarks += [
+        f"no loss barrier for {', '.join(who)}: no {missing} stored"
+        for missing, who in lacking.items()
+    ]
+    if not candidates:
+        return Barriers(lines, remarks)
+    # Imported only now: a comparison of runs without lines to draw never loads torch.
+    from dynamics.analysis.plane_run import rebuilt_surface
+
+    usable = {}  # label: run, for the runs whose own line could be evaluated
+    for run, label in candidates:
         try:
             theta0, theta_final = _endpoints(run)
-            probe_batch(run)  # before the model is rebuilt: a missing batch costs nothing
             surface = rebuilt_surface(run, model, init_args, trust_recorded_model)
         except DynamicsError as error:
             remarks.append(f"no loss barrier for {label}: {error}")
@@ -226,6 +238,16 @@ def _barrier_figure(barriers: Barriers, colors: dict[str, str]) -> go.Figure | N
     )
     figure.update_xaxes(title_text="α (0: start, 1: end)")
     return figure
+
+
+def _missing(run: Run) -> str:
+    """What a run lacks for its lines, read from its file without torch; empty: nothing."""
+    stored = set(run.vector_names)
+    if not {names.THETA0, names.THETA_FINAL} <= stored:
+        return "θ0 or θT (ParameterDisplacement records them)"
+    if not any(name.startswith(names.PROBE_BATCH_PREFIX) for name in stored):
+        return "probe batch (GradientPlane records it)"
+    return ""
 
 
 def _endpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:

@@ -54,7 +54,9 @@ class TrajectoryGeometry(Probe):
       gt is the gradient the optimizer was handed for that update (:data:`GRADIENT_DEFINITION`):
       what ``.grad`` holds after the optimizer step, since Lightning zeroes gradients only
       before the next step's first backward. Gradient clipping changes that gradient and is
-      seen; an AMP step skipped for non-finite gradients has Δt = 0 and NaN cosines.
+      seen; a gradient still carrying AMP's loss scale (optimizers that unscale inside their
+      step) has the same direction, so the same cosine; an AMP step skipped for non-finite
+      gradients has Δt = 0 and NaN cosines.
 
     A cosine with a zero vector is NaN: no direction, not an angle.
 

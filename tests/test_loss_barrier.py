@@ -150,3 +150,18 @@ def test_compare_says_in_one_line_why_there_is_no_barrier(tmp_path):
     assert "Loss barriers" in page
     assert page.count("no loss barrier for") == 2
     assert "outside the installed packages" in page
+
+
+def test_runs_without_a_probe_batch_get_one_line(tmp_path):
+    paths = []
+    for name, lr in (("slow", 0.05), ("fast", 0.2)):
+        recorder = DynamicsRecorder(
+            tmp_path / f"{name}.h5", [TrainingLoss(), ParameterDisplacement()]
+        )
+        make_quiet_trainer(max_steps=2, callbacks=[recorder]).fit(SaddleQuadratic(lr))
+        paths.append(tmp_path / f"{name}.h5")
+    page = write_comparison(paths, tmp_path / "page.html").path.read_text()
+    assert page.count("no loss barrier") == 1
+    assert (
+        "no loss barrier for slow, fast: no probe batch (GradientPlane records it) stored" in page
+    )
