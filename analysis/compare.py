@@ -76,6 +76,9 @@ def write_comparison(
     static_dir: str | os.PathLike | None = None,
     static_format: str = "png",
     barrier_points: int = POINTS,
+    model: str | None = None,
+    init_args: dict | None = None,
+    trust_recorded_model: bool = False,
 ) -> Written:
     """Write one self-contained HTML page comparing runs with the first one.
 
@@ -90,6 +93,10 @@ def write_comparison(
         barrier_points: points along each line of the loss barriers (0: none evaluated);
             see :mod:`dynamics.analysis.loss_barrier`. A run whose model cannot be rebuilt
             gets a one-line remark instead.
+        model: build the runs' models with this class or factory instead of the recorded one
+            (see :func:`~dynamics.rebuild.rebuild_module`).
+        init_args: init args completing or overriding the recorded ones.
+        trust_recorded_model: import a recorded class from outside the installed packages.
 
     Returns:
         What was written.
@@ -125,7 +132,14 @@ def write_comparison(
     ]
     body += [figure_html(figure, i) for i, (_, figure) in enumerate(figures)]
     if barrier_points:
-        barriers = loss_barriers(runs, labels, barrier_points)
+        barriers = loss_barriers(
+            runs,
+            labels,
+            barrier_points,
+            model=model,
+            init_args=init_args,
+            trust_recorded_model=trust_recorded_model,
+        )
         section, figure = barrier_section(barriers, labels, len(figures))
         body.append(section)
         if figure is not None:

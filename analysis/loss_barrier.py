@@ -103,7 +103,12 @@ def loss_barriers(
 
     Returns:
         The lines evaluated, and a one-line remark for each run or pair that could not be.
+
+    Raises:
+        DynamicsError: ``points`` below 2.
     """
+    if points < 2:
+        raise DynamicsError(f"a loss-barrier line needs at least 2 points, got {points}")
     alphas = np.linspace(0.0, 1.0, points)
     lines, remarks = [], []
     candidates = []  # (run, label) of the runs that store what a line needs

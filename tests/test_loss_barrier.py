@@ -3,6 +3,8 @@ the trained models' losses (buffers included), and the page as a user gets it.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytorch_lightning as pl
 import torch
@@ -165,3 +167,16 @@ def test_runs_without_a_probe_batch_get_one_line(tmp_path):
     assert (
         "no loss barrier for slow, fast: no probe batch (GradientPlane records it) stored" in page
     )
+
+
+def test_cli_compare_rebuilds_a_script_model_given_with_model(tmp_path, dynamics, one_line_error):
+    """A user's model outside the installed packages: named with --model path/file.py:Class."""
+    runs = saddle_runs(tmp_path)
+    out = tmp_path / "page.html"
+    model = f"{Path(__file__).resolve()}:SaddleQuadratic"
+    args = ("compare", runs[0].path, runs[1].path, "-o", out, "--model", model)
+    result = dynamics(*args, "--barrier-points", "5")
+    assert result.returncode == 0, result.stderr
+    page = out.read_text()
+    assert "θT(slow) → θT(fast)" in page and "no loss barrier" not in page
+    one_line_error(dynamics(*args, "--overwrite", "--barrier-points", "1"))
