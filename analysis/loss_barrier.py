@@ -11,7 +11,9 @@ the model rebuilt from the run file, in eval mode, on the stored probe batch, by
 of :mod:`dynamics.loss_rule`. A line between two runs uses the reference's model and probe
 batch, and each point the buffers (BatchNorm statistics) of the stored state of either run
 nearest to it (:mod:`dynamics.nearest_buffers`), so each end is evaluated with its own run's
-final buffers. A run whose model cannot be rebuilt, or that stores no probe batch, θ0 or θT,
+final buffers; it is drawn only for runs whose recorded models agree in class, model edits and
+submodules (a shifted and an unshifted network are two loss functions: no line joins them in
+one). A run whose model cannot be rebuilt, or that stores no probe batch, θ0 or θT,
 gets a one-line remark instead of its lines; the comparison goes on.
 """
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
+from dynamics.analysis.comparison import NOT_RECORDED, SAME, comparability
 from dynamics.analysis.figures import Curve, line_figure, run_colors
 from dynamics.analysis.page import figure_html, html_table
 from dynamics.errors import DynamicsError
@@ -31,6 +34,8 @@ from dynamics.store import Run, names
 
 #: Points evaluated along each line, the ends included (α = 0, 0.05, ..., 1).
 POINTS = 21
+#: The comparability checks two runs must agree in for the reference's model to be theirs.
+_SAME_FUNCTION = ("module", "model edits", "submodules")
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,10 @@ def loss_barriers(
         if run.layout != reference.layout:
             remarks.append(f"no θT line {first} → {label}: their parameter layouts differ")
             continue
+        differs = _other_function(reference, run, (first, label))
+        if differs:
+            remarks.append(f"no θT line {first} → {label}: {differs}")
+            continue
         try:
             surface = rebuilt_surface(
                 reference, model, init_args, trust_recorded_model, buffers_of=[reference, run]
@@ -243,6 +252,19 @@ def _barrier_figure(barriers: Barriers, colors: dict[str, str]) -> go.Figure | N
     )
     figure.update_xaxes(title_text="α (0: start, 1: end)")
     return figure
+
+
+def _other_function(reference: Run, run: Run, labels: tuple[str, str]) -> str:
+    """Why the reference's model is not a model of ``run`` (another class, another edit such
+    as a shift, other submodules), in one line; empty when nothing recorded says so. Init
+    args may differ (a learning rate): the line is drawn in the reference's model."""
+    for check in comparability(reference, run, labels):
+        if check.name in _SAME_FUNCTION and check.status not in (SAME, NOT_RECORDED):
+            return (
+                f"their models differ in {check.name} ({check.details}), so no one loss "
+                "function holds both ends"
+            )
+    return ""
 
 
 def _missing(run: Run) -> str:

@@ -139,9 +139,11 @@ def test_compare_page_shows_the_barriers_of_rebuildable_runs(demo, dynamics):
     )
     assert result.returncode == 0, result.stderr
     page = out.read_text()
-    assert "Loss barriers" in page and "θT(unshifted) → θT(shifted)" in page
+    assert "Loss barriers" in page and "θ0 → θT (shifted)" in page
     assert "Loss along straight lines between parameters" in page
     assert "no loss barrier" not in page
+    # A shifted network computes another function: no line joins the two θT in one.
+    assert "no θT line unshifted → shifted: their models differ in submodules" in page
 
 
 def test_compare_says_in_one_line_why_there_is_no_barrier(tmp_path):
