@@ -5,7 +5,8 @@ checks with one verdict per pair, each run's setup (module class and init args, 
 optimizer, scheduler, precision, data, probes), the overlaid loss and its smoothed difference
 with the crossover marked, λ1 and its ratio, every recorded series drawn as its view says
 (:func:`compared_view_figure`, each side-by-side panel titled by the run whose data it shows),
-the spectral densities side by side, the overshoot verdicts and the configs. The numbers come from
+the spectral densities side by side, the loss barriers between the runs' parameters
+(:mod:`dynamics.analysis.loss_barrier`), the overshoot verdicts and the configs. The numbers come from
 :mod:`dynamics.analysis.comparison`; the page from :mod:`dynamics.analysis.page`.
 """
 
