@@ -6,8 +6,8 @@ optimizer, scheduler, precision, data, probes), the overlaid loss and its smooth
 with the crossover marked, λ1 and its ratio, every recorded series drawn as its view says
 (:func:`compared_view_figure`, each side-by-side panel titled by the run whose data it shows),
 the spectral densities side by side, the loss barriers between the runs' parameters
-(:mod:`dynamics.analysis.loss_barrier`), the overshoot verdicts and the configs. The numbers come from
-:mod:`dynamics.analysis.comparison`; the page from :mod:`dynamics.analysis.page`.
+(:mod:`dynamics.analysis.loss_barrier`), the overshoot verdicts and the configs. The numbers
+come from :mod:`dynamics.analysis.comparison`; the page from :mod:`dynamics.analysis.page`.
 """
 
 from __future__ import annotations
