@@ -5,8 +5,9 @@ checks with one verdict per pair, each run's setup (module class and init args, 
 optimizer, scheduler, precision, data, probes), the overlaid loss and its smoothed difference
 with the crossover marked, λ1 and its ratio, every recorded series drawn as its view says
 (:func:`compared_view_figure`, each side-by-side panel titled by the run whose data it shows),
-the spectral densities side by side, the overshoot verdicts and the configs. The numbers come from
-:mod:`dynamics.analysis.comparison`; the page from :mod:`dynamics.analysis.page`.
+the spectral densities side by side, the loss barriers between the runs' parameters
+(:mod:`dynamics.analysis.loss_barrier`), the overshoot verdicts and the configs. The numbers
+come from :mod:`dynamics.analysis.comparison`; the page from :mod:`dynamics.analysis.page`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dynamics.analysis.figures import (
     loss,
     run_colors,
 )
+from dynamics.analysis.loss_barrier import POINTS, barrier_section, loss_barriers
 from dynamics.analysis.output import check_output
 from dynamics.analysis.overshoot import OvershootReport
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, slug, write_page
@@ -74,6 +76,10 @@ def write_comparison(
     *,
     static_dir: str | os.PathLike | None = None,
     static_format: str = "png",
+    barrier_points: int = POINTS,
+    model: str | None = None,
+    init_args: dict | None = None,
+    trust_recorded_model: bool = False,
 ) -> Written:
     """Write one self-contained HTML page comparing runs with the first one.
 
@@ -85,6 +91,13 @@ def write_comparison(
         static_dir: also export every figure into this folder (see
             :func:`dynamics.analysis.report.write_report`).
         static_format: ``"png"`` or ``"svg"``.
+        barrier_points: points along each line of the loss barriers (0: none evaluated);
+            see :mod:`dynamics.analysis.loss_barrier`. A run whose model cannot be rebuilt
+            gets a one-line remark instead.
+        model: build the runs' models with this class or factory instead of the recorded one
+            (see :func:`~dynamics.rebuild.rebuild_module`).
+        init_args: init args completing or overriding the recorded ones.
+        trust_recorded_model: import a recorded class from outside the installed packages.
 
     Returns:
         What was written.
@@ -119,6 +132,19 @@ def write_comparison(
         "<h2>Overlaid</h2>",
     ]
     body += [figure_html(figure, i) for i, (_, figure) in enumerate(figures)]
+    if barrier_points:
+        barriers = loss_barriers(
+            runs,
+            labels,
+            barrier_points,
+            model=model,
+            init_args=init_args,
+            trust_recorded_model=trust_recorded_model,
+        )
+        section, figure = barrier_section(barriers, labels, len(figures))
+        body.append(section)
+        if figure is not None:
+            figures.append(("loss-barrier", figure))
     body.append("<h2>Overshoot verdicts</h2>")
     for label, report in zip(labels, overshoots):
         body.append(f"<h3>{html.escape(label)}</h3>{overshoot_html(report)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def write_plane(
         if run.name in stored:
             continue
         try:
-            surfaces[run.name] = _surface(run, model, init_args, trust_recorded_model)
+            surfaces[run.name] = rebuilt_surface(run, model, init_args, trust_recorded_model)
         except DynamicsError as error:
             if not stored:
                 raise DynamicsError(f"{error}{_stored_elsewhere(runs, plane, grid_side)}") from None
@@ -183,13 +184,35 @@ def _stored_elsewhere(runs: list[Run], plane: str, grid_side: int) -> str:
     return f"; {', '.join(elsewhere)} stored views on another plane"
 
 
-def _surface(run: Run, model: str | None, init_args: dict | None, trust: bool) -> LossSurface:
+def rebuilt_surface(
+    run: Run,
+    model: str | None = None,
+    init_args: dict | None = None,
+    trust: bool = False,
+    *,
+    buffers_of: Sequence[Run] = (),
+) -> LossSurface:
+    """The loss of ``run``'s model rebuilt from its file, on its stored probe batch, in eval
+    mode, each point with the buffers of the nearest stored state (of ``run``, or of the runs
+    ``buffers_of`` when given: a path between runs' endpoints).
+
+    Args:
+        run: the run whose model and probe batch are used.
+        model: build this class or factory instead (see :func:`~dynamics.rebuild.rebuild_module`).
+        init_args: init args completing or overriding the recorded ones.
+        trust: import a recorded class from outside the installed packages.
+        buffers_of: the runs whose stored states supply buffers; default ``run``'s.
+
+    Raises:
+        DynamicsError: the model cannot be rebuilt, has no loss to evaluate, the run stores no
+            probe batch, or the model cannot take it.
+    """
     module = rebuild_module(run, model, init_args, trust)
     try:  # before any pass: a manually optimized module's training_step would train it
         loss_source(module)
     except LossUnavailable as error:
         raise DynamicsError(f"{run.path.name}: {error}") from None
-    buffers = NearestBuffers.of_run(run, module)
+    buffers = NearestBuffers.of_runs(list(buffers_of) or [run], module)
     surface = LossSurface(module, run.layout, probe_batch(run), buffers=buffers)
     theta0 = run.vector(names.THETA0)  # the plane's checks have asked for it already
     try:  # once at θ0, so a stored batch the model cannot take is one line, not a worker's

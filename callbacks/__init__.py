@@ -18,6 +18,7 @@ from dynamics.callbacks.probe import Probe, ProbeUnavailable, SeriesSpec
 from dynamics.callbacks.recorder import DynamicsRecorder
 from dynamics.callbacks.shift_activations import ShiftActivations
 from dynamics.callbacks.training_loss import TrainingLoss
+from dynamics.callbacks.trajectory_geometry import TrajectoryGeometry
 
 __all__ = [
     "BiasAudit",
@@ -35,5 +36,6 @@ __all__ = [
     "SeriesSpec",
     "ShiftActivations",
     "TrainingLoss",
+    "TrajectoryGeometry",
     "check_probe",
 ]

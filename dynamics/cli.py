@@ -32,6 +32,8 @@ _MAX_SPAN = 100.0
 #: Float64 arrays a plane grid point costs at least: the losses of two views per run, and the
 #: coordinates of a mesh.
 _GRID_ARRAYS = 6
+#: The most points along a loss-barrier line: each is a forward pass; finer shows nothing new.
+_MAX_BARRIER_POINTS = 1001
 
 
 class _Parser(argparse.ArgumentParser):
@@ -174,21 +176,7 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         help="split each grid across this many processes (default: the available cores)",
     )
-    plane.add_argument(
-        "--model",
-        metavar="MODULE:NAME",
-        help="build the model with this class or factory (pkg.module:name or "
-        "path/to/file.py:name) instead of the recorded class",
-    )
-    plane.add_argument(
-        "--init-args", metavar="JSON", help="init args completing or overriding the recorded ones"
-    )
-    plane.add_argument(
-        "--trust-recorded-model",
-        action="store_true",
-        help="import the runs' recorded model class even from outside the installed packages "
-        "(e.g. the working directory's modules); importing runs that module's code",
-    )
+    _model_arguments(plane)
     plane.set_defaults(handler=_plane)
 
     report = commands.add_parser("report", help="self-contained HTML report of run files")
@@ -224,6 +212,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="groups: print the paired statistics as JSON"
     )
     _html_output_arguments(compare, required=False)
+    compare.add_argument(
+        "--barrier-points",
+        type=int,
+        default=21,
+        metavar="N",
+        help="loss barriers: points along each straight line between θT's and from θ0 to θT, "
+        "one forward pass on the probe batch each (default 21; 0: none)",
+    )
+    _model_arguments(compare)
     compare.set_defaults(handler=_compare)
 
     overshoot = commands.add_parser(
@@ -289,6 +286,25 @@ def _html_output_arguments(parser: argparse.ArgumentParser, required: bool = Tru
     )
     parser.add_argument(
         "--static-format", choices=("png", "svg"), default="png", help="default: png"
+    )
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a run's model is rebuilt offline (see :func:`dynamics.rebuild.rebuild_module`)."""
+    parser.add_argument(
+        "--model",
+        metavar="MODULE:NAME",
+        help="build the model with this class or factory (pkg.module:name or "
+        "path/to/file.py:name) instead of the recorded class",
+    )
+    parser.add_argument(
+        "--init-args", metavar="JSON", help="init args completing or overriding the recorded ones"
+    )
+    parser.add_argument(
+        "--trust-recorded-model",
+        action="store_true",
+        help="import the runs' recorded model class even from outside the installed packages "
+        "(e.g. the working directory's modules); importing runs that module's code",
     )
 
 
@@ -500,6 +516,12 @@ def _compare(args: argparse.Namespace) -> int:
         )
     if args.output is None:
         raise DynamicsError("compare: the argument -o/--output is required")
+    if args.barrier_points == 1 or not 0 <= args.barrier_points <= _MAX_BARRIER_POINTS:
+        raise DynamicsError(
+            f"--barrier-points must be 0 or from 2 to {_MAX_BARRIER_POINTS}, "
+            f"got {args.barrier_points}"
+        )
+    init_args = _json_object(args.init_args, "--init-args")
     from dynamics.analysis.compare import write_comparison
 
     written = write_comparison(
@@ -508,6 +530,10 @@ def _compare(args: argparse.Namespace) -> int:
         args.overwrite,
         static_dir=args.static,
         static_format=args.static_format,
+        barrier_points=args.barrier_points,
+        model=args.model,
+        init_args=init_args,
+        trust_recorded_model=args.trust_recorded_model,
     )
     return _print_written(written)
 

@@ -47,22 +47,36 @@ class NearestBuffers:
         For a run that recorded no buffers, no state is used (the module keeps its own) and
         the note says so.
         """
+        return cls.of_runs([run], module)
+
+    @classmethod
+    def of_runs(cls, runs: Sequence[Run], module: nn.Module) -> NearestBuffers | None:
+        """The rule for ``module``, a model of every run of ``runs``, over all their stored
+        states: a point between two runs' endpoints uses the buffers of the nearer one's
+        states. None when the module has no buffers.
+
+        When a run recorded no buffers, or the runs' buffer layouts differ, no state is used
+        (the module keeps its own) and the note says so.
+        """
         if not BufferLayout.of(module).names:
             return None
-        layout = run.buffer_layout
-        states = [s for s in run.stored_states() if s.buffers is not None]
-        if layout is None or not states:
-            note = (
-                f"{run.name}: no buffers recorded; the rebuilt model's initial buffers throughout"
-            )
+        who = ", ".join(run.name for run in runs)
+        layout = runs[0].buffer_layout
+        stored = [[s for s in run.stored_states() if s.buffers is not None] for run in runs]
+        if layout is None or not all(stored):
+            note = f"{who}: no buffers recorded; the rebuilt model's initial buffers throughout"
             return cls([], BufferLayout((), (), ()), note)
+        if any(run.buffer_layout != layout for run in runs[1:]):
+            note = f"{who}: different buffers; the rebuilt model's initial buffers throughout"
+            return cls([], BufferLayout((), (), ()), note)
+        whose = "the run's" if len(runs) == 1 else "the runs'"
         note = (
-            f"{run.name}: each point uses the buffers ({_summary(layout)}) of the run's stored "
+            f"{who}: each point uses the buffers ({_summary(layout)}) of {whose} stored "
             "state nearest to it in parameter space (θ0, a snapshot or θT)"
         )
         if layout.unstored:
             note += f"; not stored, kept as initialized: {', '.join(layout.unstored)}"
-        return cls(states, layout, note)
+        return cls([s for states in stored for s in states], layout, note)
 
     def nearest(self, theta: torch.Tensor) -> int | None:
         """The index of the stored state nearest ``theta`` (a flat vector); None: no state."""

@@ -153,3 +153,11 @@ LOSS_CHANGE_RELATIVE_RESIDUAL = "relative_residual"  # |Σ terms − ΔL| / |ΔL
 LOSS_CHANGE_CONVERGED = "converged"  # 1 when the residual met the tolerance
 LOSS_CHANGE_EVALUATIONS = "gradient_evaluations"
 LOSS_CHANGE_OPTIMIZER_STEPS = "optimizer_steps"  # optimizer steps the row's Δθ spans
+
+# TrajectoryGeometry: the geometry of the path θ0 → θ1 → ..., one row per recorded step t,
+# describing step t's update Δt = θt+1 − θt.
+TRAJECTORY = "trajectory"
+TRAJECTORY_PATH_LENGTH = "path_length"  # Σ_{s ≤ t} ‖Δs‖
+TRAJECTORY_TORTUOSITY = "tortuosity"  # path length / ‖θt+1 − θ0‖
+TRAJECTORY_UPDATE_COSINE = "update_cosine"  # cos(Δt−1, Δt)
+TRAJECTORY_GRADIENT_COSINE = "gradient_cosine"  # cos(Δt, −gt)

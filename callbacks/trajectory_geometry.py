@@ -1,0 +1,249 @@
+"""The geometry of the training path: its length, how winding it is, and where updates point."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
+from dynamics.params import ParameterLayout
+from dynamics.store import View, names
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+#: How the series are drawn (declared with them).
+VIEWS = {
+    names.TRAJECTORY_PATH_LENGTH: View("scalar", "Path length Σ‖θs+1 − θs‖", "path length"),
+    names.TRAJECTORY_TORTUOSITY: View(
+        "scalar", "Tortuosity: path length / ‖θt+1 − θ0‖", "tortuosity", log_y=True
+    ),
+    names.TRAJECTORY_UPDATE_COSINE: View(
+        "scalar", "Cosine between consecutive updates", "cos(Δt−1, Δt)"
+    ),
+    names.TRAJECTORY_GRADIENT_COSINE: View(
+        "scalar", "Cosine between the update and the descent direction", "cos(Δt, −gt)"
+    ),
+}
+
+#: What the gradient of a row is, stored with the probe's settings.
+GRADIENT_DEFINITION = (
+    "the gradient in .grad of the parameters the optimizers hold when the step's optimizer "
+    "step has returned: the sum over the step's micro-batches of the gradients of the losses "
+    "Lightning backpropagated (each divided by accumulate_grad_batches), after Lightning's "
+    "gradient clipping and AMP unscaling; zero for a parameter without a gradient or outside "
+    "every optimizer"
+)
+
+
+class TrajectoryGeometry(Probe):
+    """Path length, tortuosity and the directions of the updates, per optimizer step.
+
+    The row at step t describes that step's update Δt = θt+1 − θt (the change of the trainable
+    parameters over the training batch, whatever the optimizer did: momentum, Adam's scaling,
+    weight decay, every micro-batch of an accumulated step), as ``ParameterDisplacement``'s
+    ``update`` does:
+
+    - ``path_length``: Σ_{s ≤ t} ‖Δs‖, the length of the path θ0 → θ1 → ... → θt+1;
+    - ``tortuosity``: path length / ‖θt+1 − θ0‖ (1 for a straight path, larger the more it
+      winds; NaN while θ has not moved);
+    - ``update_cosine``: cos(Δt−1, Δt), NaN at the first step measured;
+    - ``gradient_cosine``: cos(Δt, −gt), 1 for plain SGD, less under momentum or Adam, where
+      gt is the gradient the optimizer was handed for that update (:data:`GRADIENT_DEFINITION`):
+      what ``.grad`` holds after the optimizer step, since Lightning zeroes gradients only
+      before the next step's first backward. Gradient clipping changes that gradient and is
+      seen; a gradient still carrying AMP's loss scale (optimizers that unscale inside their
+      step) has the same direction, so the same cosine; an AMP step skipped for non-finite
+      gradients has Δt = 0 and NaN cosines.
+
+    A cosine with a zero vector is NaN: no direction, not an angle.
+
+    The gradient cannot be known, and ``gradient_cosine`` is not recorded (the probe's
+    settings say why and a warning event says so once), under manual optimization (the module
+    calls ``zero_grad``, ``backward``, clipping and ``step`` itself, possibly for several
+    optimizers, so ``.grad`` after the batch need not be what any step used) and with LBFGS
+    (its step evaluates the gradient several times; ``.grad`` holds the last evaluation's). A
+    step that ends with no gradient at all records NaN, with a warning event once.
+
+    Every step is measured, so the path length counts every update; ``every_n_steps`` thins
+    the rows only. The work stays on the device, per parameter tensor with ``torch._foreach_*``
+    kernels (no flat copy of the parameter vector): one copy of θt before each step and a few
+    kernels after it, and the probe keeps three parameter-sized buffers (θ0, θt, the previous
+    update's direction), in float32 for lower-precision parameters. Rows are measured on
+    global rank zero, where the ranks' parameters agree.
+
+    Args:
+        every_n_steps: period of the rows in optimizer steps.
+    """
+
+    name = names.TRAJECTORY
+
+    def __init__(self, every_n_steps: int = 1) -> None:
+        super().__init__(every_n_steps)
+        self.gradient_problem: str | None = None  # why the gradient cannot be known, at setup
+        self._params: list[torch.Tensor] = []
+        self._in_optimizer: list[bool] = []  # per parameter: does an optimizer hold it
+        self._theta0: list[torch.Tensor] | None = None
+        self._before: list[torch.Tensor] = []  # θt, copied before a step
+        self._previous: list[torch.Tensor] | None = None  # Δt−1 / ‖Δt−1‖
+        self._path: torch.Tensor | None = None  # Σ ‖Δs‖ so far
+        self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for missing gradients
+        self._armed = False
+        self._noted: set[str] = set()
+
+    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Norms of one rank's shards would be recorded as the model's.
+        require_unsharded(trainer, "TrajectoryGeometry")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._params = ParameterLayout.of(pl_module).parameters(pl_module)
+        held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+        self._in_optimizer = [id(p) in held for p in self._params]
+        self.gradient_problem = _gradient_problem(trainer, pl_module)
+        if self.gradient_problem:
+            self._note_once(
+                trainer.global_step, f"gradient_cosine not recorded: {self.gradient_problem}"
+            )
+        device = self._params[0].device
+        params = [p.detach() for p in self._params]
+        if self._theta0 is None:  # a resumed fit restored its state from the checkpoint
+            self._theta0 = [p.to(_work_dtype(p)).clone() for p in params]
+            # float64 keeps the sum of many small lengths exact enough; MPS has no float64.
+            accumulator = torch.float32 if device.type == "mps" else torch.float64
+            self._path = torch.zeros((), dtype=accumulator)
+        self._theta0 = [t.to(device) for t in self._theta0]
+        self._path = self._path.to(device)
+        if self._previous is not None:
+            self._previous = [t.to(device) for t in self._previous]
+        self._before = [torch.empty_like(t) for t in self._theta0]
+
+    def series(self) -> dict[str, dict[str, SeriesSpec]]:
+        measured = list(VIEWS)
+        if self.gradient_problem:
+            measured.remove(names.TRAJECTORY_GRADIENT_COSINE)
+        return {names.TRAJECTORY: {name: SeriesSpec(view=VIEWS[name]) for name in measured}}
+
+    def settings(self) -> dict[str, Any]:
+        gradient = GRADIENT_DEFINITION
+        if self.gradient_problem:
+            gradient = f"not measured: {self.gradient_problem}"
+        return {"measured": "every optimizer step", "gradient": gradient}
+
+    def is_due(self, step: int) -> bool:
+        return True  # every update counts in the path; rows are thinned in on_step_end
+
+    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+        if trainer.is_global_zero:  # only rank 0 writes, and the ranks' parameters agree
+            torch._foreach_copy_(self._before, [p.detach() for p in self._params])
+            self._armed = True
+
+    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+        if not self._armed:
+            return {}
+        self._armed = False
+        params = [p.detach() for p in self._params]
+        update = torch._foreach_sub(params, self._before)
+        length = _norm(update)
+        self._path += length
+        # θt is no longer needed: its buffer takes θt+1 − θ0.
+        torch._foreach_copy_(self._before, params)
+        torch._foreach_sub_(self._before, self._theta0)
+        distance = _norm(self._before)
+        torch._foreach_div_(update, length)  # the direction; NaN where the update is zero
+        previous, self._previous = self._previous, update
+        if not super().is_due(step):
+            return {}
+        nan = torch.full((), math.nan, device=length.device)
+        rows = {
+            names.TRAJECTORY_PATH_LENGTH: self._path.clone(),
+            names.TRAJECTORY_TORTUOSITY: self._path / distance,
+            names.TRAJECTORY_UPDATE_COSINE: (
+                nan if previous is None else _unit_cosine(update, previous)
+            ),
+        }
+        if self.gradient_problem is None:
+            rows[names.TRAJECTORY_GRADIENT_COSINE] = self._gradient_cosine(update, step)
+        return {names.TRAJECTORY: rows}
+
+    def teardown(self) -> None:
+        # The next fit() starts a new path, unless a checkpoint restores this one.
+        self._theta0, self._previous, self._path = None, None, None
+        self._before, self._zeros, self._armed = [], {}, False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._theta0 is None:
+            return {}
+        return {
+            "theta0": [t.cpu() for t in self._theta0],
+            "path": self._path.cpu(),
+            "previous": None if self._previous is None else [t.cpu() for t in self._previous],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._theta0 = state.get("theta0")
+        self._path = state.get("path")
+        self._previous = state.get("previous")
+
+    def _gradient_cosine(self, direction: list[torch.Tensor], step: int) -> torch.Tensor:
+        """cos(Δt, −gt) = 1 − ‖Δ̂ + ĝ‖²/2 from the update's direction Δ̂ (see _unit_cosine)."""
+        grads = [
+            p.grad if held and p.grad is not None else None
+            for p, held in zip(self._params, self._in_optimizer)
+        ]
+        if all(g is None for g in grads):
+            self._note_once(
+                step,
+                "no parameter had a gradient when the optimizer step ended; gradient_cosine "
+                "recorded NaN",
+            )
+            return torch.full((), math.nan, device=direction[0].device)
+        gradient = [
+            g.to(d.dtype) if g is not None else self._zero(i, d)
+            for i, (g, d) in enumerate(zip(grads, direction))
+        ]
+        unit = torch._foreach_div(gradient, _norm(gradient))
+        torch._foreach_add_(unit, direction)
+        return (1 - _norm(unit) ** 2 / 2).clamp(-1, 1)
+
+    def _zero(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        if i not in self._zeros:
+            self._zeros[i] = torch.zeros_like(like)
+        return self._zeros[i]
+
+    def _note_once(self, step: int, message: str) -> None:
+        if message not in self._noted:
+            self._noted.add(message)
+            self.note(step, message)
+
+
+def _gradient_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+    """Why the gradient an update was made from cannot be known, or None."""
+    if not pl_module.automatic_optimization:
+        return (
+            "manual optimization: the module calls zero_grad, backward, clipping and step "
+            "itself, possibly for several optimizers, so .grad after the batch need not be the "
+            "gradient any step used"
+        )
+    if any(isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers):
+        return (
+            "LBFGS evaluates the gradient several times per step; .grad holds the last "
+            "evaluation's, not the one its update was made from"
+        )
+    return None
+
+
+def _work_dtype(p: torch.Tensor) -> torch.dtype:
+    # Differences and directions of half-precision parameters would round to 2⁻⁸..2⁻¹¹.
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+def _unit_cosine(u: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+    """cos(u, v) of unit vectors as 1 − ‖u − v‖²/2: accurate near ±1, unlike a dot product."""
+    return (1 - _norm(torch._foreach_sub(u, v)) ** 2 / 2).clamp(-1, 1)
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The Euclidean norm of the vector the tensors make up, one foreach kernel."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))

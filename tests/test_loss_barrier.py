@@ -1,0 +1,184 @@
+"""Loss barriers between runs in ``dynamics compare``: closed-form line losses, ends equal to
+the trained models' losses (buffers included), and the page as a user gets it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dynamics import open_run
+from dynamics.analysis.compare import write_comparison
+from dynamics.analysis.loss_barrier import loss_barriers
+from dynamics.callbacks import (
+    DynamicsRecorder,
+    GradientPlane,
+    ParameterDisplacement,
+    TrainingLoss,
+)
+from dynamics.loss_rule import module_loss
+from dynamics.rebuild import probe_batch
+from dynamics.store import names
+from tests.conftest import make_quiet_trainer
+from tests.test_rebuild import BatchNormDictCNN
+from tests.test_rebuild import fit as fit_bn
+
+CURVATURE = np.array([1.0, -2.0, 0.5])  # a saddle: lines between the runs bend down
+TARGETS = np.random.default_rng(1).normal(size=(8, 3))
+
+
+class SaddleQuadratic(pl.LightningModule):
+    """loss = mean over the batch of ½ Σᵢ dᵢ (wᵢ − xᵢ)²: along any line it is a quadratic in α
+    whose coefficients follow from the ends and the batch mean."""
+
+    def __init__(self, lr: float = 0.05, side: float = 1.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        ridge = float(TARGETS[:, 1].astype(np.float32).mean())
+        self.w = nn.Parameter(torch.tensor([1.0, ridge + 0.5 * side, 2.0]))
+        self.register_buffer("curvature", torch.tensor(CURVATURE, dtype=torch.float32))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return (0.5 * self.curvature * (self.w - x) ** 2).sum(1).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.tensor(TARGETS, dtype=torch.float32)), batch_size=8)
+
+
+def closed_form(start: np.ndarray, end: np.ndarray, alphas: np.ndarray) -> np.ndarray:
+    """L(α) = a α² + b α + c on the line start + α (end − start), for the batch TARGETS."""
+    x = TARGETS.astype(np.float32).astype(np.float64)
+    delta, offset = end - start, start - x.mean(0)
+    a = 0.5 * np.sum(CURVATURE * delta**2)
+    b = np.sum(CURVATURE * delta * offset)
+    c = np.mean(0.5 * np.sum(CURVATURE * (start - x) ** 2, axis=1))
+    return a * alphas**2 + b * alphas + c
+
+
+def saddle_runs(folder):
+    runs = []
+    # Started on either side of the ridge along the negative curvature, the runs roll down
+    # opposite sides of it: the line between their ends climbs over it.
+    for name, lr, side in (("slow", 0.05, 1.0), ("fast", 0.2, -1.0)):
+        trainer = make_quiet_trainer(
+            max_steps=5,
+            callbacks=[
+                DynamicsRecorder(
+                    folder / f"{name}.h5",
+                    [TrainingLoss(), ParameterDisplacement(), GradientPlane()],
+                )
+            ],
+        )
+        trainer.fit(SaddleQuadratic(lr, side))
+        runs.append(open_run(folder / f"{name}.h5"))
+    return runs
+
+
+def test_line_losses_are_the_closed_form_quadratic(tmp_path):
+    runs = saddle_runs(tmp_path)
+    barriers = loss_barriers(runs, ["slow", "fast"], points=11, trust_recorded_model=True)
+    assert not barriers.remarks
+    lines = {line.name: line for line in barriers.lines}
+    assert set(lines) == {"θ0 → θT (slow)", "θ0 → θT (fast)", "θT(slow) → θT(fast)"}
+    theta = {r.name: (r.vector(names.THETA0), r.vector(names.THETA_FINAL)) for r in runs}
+    ends = {
+        "θ0 → θT (slow)": theta["slow"],
+        "θ0 → θT (fast)": theta["fast"],
+        "θT(slow) → θT(fast)": (theta["slow"][1], theta["fast"][1]),
+    }
+    for name, (start, end) in ends.items():
+        line = lines[name]
+        expected = closed_form(start.astype(np.float64), end.astype(np.float64), line.alphas)
+        np.testing.assert_allclose(line.losses, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+        barrier = expected.max() - (expected[0] + expected[-1]) / 2
+        assert abs(line.barrier - barrier) < 1e-5 * max(1.0, abs(barrier)), name
+    between = lines["θT(slow) → θT(fast)"]
+    assert between.barrier > 0.1 and 0 < between.peak_alpha < 1  # a real bump, inside
+
+
+def test_ends_are_the_trained_models_losses_with_their_own_buffers(tmp_path):
+    """BatchNorm: each end is evaluated with its run's final running statistics, so it equals
+    the trained model's eval loss; a line between the runs is on the reference's probe batch."""
+    trained = {}
+    for name, lr, seed in (("slow", 0.05, 1), ("fast", 0.3, 2)):
+        torch.manual_seed(3)
+        module = BatchNormDictCNN(lr=lr, data_seed=seed)
+        trained[name] = (module.eval(), fit_bn(module, tmp_path / f"{name}.h5"))
+    runs = [trained["slow"][1], trained["fast"][1]]
+    barriers = loss_barriers(runs, ["slow", "fast"], points=5, trust_recorded_model=True)
+    lines = {line.name: line for line in barriers.lines}
+    batches = {name: probe_batch(run) for name, (_, run) in trained.items()}
+
+    def loss(model: str, batch: str) -> float:
+        with torch.no_grad():
+            return module_loss(trained[model][0], batches[batch]).item()
+
+    np.testing.assert_allclose(lines["θ0 → θT (slow)"].losses[-1], loss("slow", "slow"), rtol=1e-6)
+    np.testing.assert_allclose(lines["θ0 → θT (fast)"].losses[-1], loss("fast", "fast"), rtol=1e-6)
+    between = lines["θT(slow) → θT(fast)"].losses
+    np.testing.assert_allclose(
+        [between[0], between[-1]], [loss("slow", "slow"), loss("fast", "slow")], rtol=1e-6
+    )
+    assert "stored state nearest" in lines["θT(slow) → θT(fast)"].buffers
+
+
+def test_compare_page_shows_the_barriers_of_rebuildable_runs(demo, dynamics):
+    folder, _ = demo
+    runs = folder / "runs"
+    out = folder / "barrier.html"
+    result = dynamics(
+        "compare", runs / "unshifted.h5", runs / "shifted.h5", "-o", out, "--overwrite"
+    )
+    assert result.returncode == 0, result.stderr
+    page = out.read_text()
+    assert "Loss barriers" in page and "θ0 → θT (shifted)" in page
+    assert "Loss along straight lines between parameters" in page
+    assert "no loss barrier" not in page
+    # A shifted network computes another function: no line joins the two θT in one.
+    assert "no θT line unshifted → shifted: their models differ in submodules" in page
+
+
+def test_compare_says_in_one_line_why_there_is_no_barrier(tmp_path):
+    """Classes of a test module are not imported without the user's word: the page says so and
+    the comparison is written anyway."""
+    runs = saddle_runs(tmp_path)
+    page = write_comparison([r.path for r in runs], tmp_path / "page.html").path.read_text()
+    assert "Loss barriers" in page
+    assert page.count("no loss barrier for") == 2
+    assert "outside the installed packages" in page
+
+
+def test_runs_without_a_probe_batch_get_one_line(tmp_path):
+    paths = []
+    for name, lr in (("slow", 0.05), ("fast", 0.2)):
+        recorder = DynamicsRecorder(
+            tmp_path / f"{name}.h5", [TrainingLoss(), ParameterDisplacement()]
+        )
+        make_quiet_trainer(max_steps=2, callbacks=[recorder]).fit(SaddleQuadratic(lr))
+        paths.append(tmp_path / f"{name}.h5")
+    page = write_comparison(paths, tmp_path / "page.html").path.read_text()
+    assert page.count("no loss barrier") == 1
+    assert (
+        "no loss barrier for slow, fast: no probe batch (GradientPlane records it) stored" in page
+    )
+
+
+def test_cli_compare_rebuilds_a_script_model_given_with_model(tmp_path, dynamics, one_line_error):
+    """A user's model outside the installed packages: named with --model path/file.py:Class."""
+    runs = saddle_runs(tmp_path)
+    out = tmp_path / "page.html"
+    model = f"{Path(__file__).resolve()}:SaddleQuadratic"
+    args = ("compare", runs[0].path, runs[1].path, "-o", out, "--model", model)
+    result = dynamics(*args, "--barrier-points", "5")
+    assert result.returncode == 0, result.stderr
+    page = out.read_text()
+    assert "θT(slow) → θT(fast)" in page and "no loss barrier" not in page
+    one_line_error(dynamics(*args, "--overwrite", "--barrier-points", "1"))

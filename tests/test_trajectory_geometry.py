@@ -1,0 +1,243 @@
+"""TrajectoryGeometry: path length, tortuosity and update cosines against hand-computed values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dynamics import open_run
+from dynamics.analysis.compare import write_comparison
+from dynamics.analysis.report import write_report
+from dynamics.callbacks import (
+    DynamicsRecorder,
+    ParameterDisplacement,
+    TrainingLoss,
+    TrajectoryGeometry,
+    check_probe,
+)
+from dynamics.store import names
+from tests.conftest import make_quiet_trainer
+from tests.test_real_projects import DigitsCNN, DigitsData
+
+CURVATURE = np.array([1.0, 4.0, 0.5, 2.0])
+TARGETS = np.random.default_rng(0).normal(size=(16, 4))  # one sample per row
+THETA0 = np.array([1.0, -2.0, 0.5, 3.0])
+LR, MOMENTUM = 0.1, 0.9
+
+
+class Quadratic(pl.LightningModule):
+    """loss = mean over the batch of ½ Σᵢ aᵢ (wᵢ − xᵢ)², w held as two tensors (2,) and (2, 1):
+    the gradient is a ⊙ (w − mean x), known in closed form at every step."""
+
+    def __init__(self, batch_size: int = 2) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.first = nn.Parameter(torch.tensor(THETA0[:2], dtype=torch.float32))
+        self.second = nn.Parameter(torch.tensor(THETA0[2:, None], dtype=torch.float32))
+        self.register_buffer("curvature", torch.tensor(CURVATURE, dtype=torch.float32))
+
+    def compute_loss(self, batch) -> torch.Tensor:
+        (x,) = batch
+        w = torch.cat([self.first, self.second.reshape(-1)])
+        return (0.5 * self.curvature * (w - x) ** 2).sum(1).mean()
+
+    def training_step(self, batch, batch_idx):
+        return self.compute_loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def train_dataloader(self):
+        data = TensorDataset(torch.tensor(TARGETS, dtype=torch.float32))
+        return DataLoader(data, batch_size=self.batch_size, shuffle=False)
+
+
+class ManualQuadratic(Quadratic):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self.compute_loss(batch))
+        optimizer.step()
+
+
+def hand_computed(steps: int, batch_size: int, accumulate: int = 1, clip: float | None = None):
+    """The expected rows at every step: SGD with momentum on the quadratic, in float64."""
+    theta, velocity = THETA0.copy(), None
+    path, rows, previous = 0.0, [], None
+    micro = batch_size
+    for t in range(steps):
+        first = t * accumulate * micro % len(TARGETS)  # epochs restart the unshuffled data
+        means = [
+            TARGETS[first + k * micro : first + (k + 1) * micro].mean(0) for k in range(accumulate)
+        ]
+        raw = sum(CURVATURE * (theta - m) / accumulate for m in means)
+        gradient = raw if clip is None else np.clip(raw, -clip, clip)
+        velocity = gradient if velocity is None else MOMENTUM * velocity + gradient
+        update = -LR * velocity
+        theta = theta + update
+        path += np.linalg.norm(update)
+        rows.append(
+            {
+                "path_length": path,
+                "tortuosity": path / np.linalg.norm(theta - THETA0),
+                "update_cosine": np.nan if previous is None else _cos(previous, update),
+                "gradient_cosine": _cos(update, -gradient),
+                "unclipped": _cos(update, -raw),
+            }
+        )
+        previous = update
+    return rows
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def fit(module, path, probes, **options):
+    trainer = make_quiet_trainer(callbacks=[DynamicsRecorder(path, probes)], **options)
+    trainer.fit(module)
+    return open_run(path)
+
+
+def assert_rows(run, expected, steps):
+    recorded = run.series(names.TRAJECTORY)
+    np.testing.assert_array_equal(recorded.step, steps)
+    for name in recorded.values:
+        want = [expected[s][name] for s in steps]
+        np.testing.assert_allclose(recorded[name], want, rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_every_row_matches_the_hand_computed_path(tmp_path):
+    """Rows every 2 steps, but the path length counts the updates of the steps between."""
+    run = fit(Quadratic(), tmp_path / "run.h5", [TrajectoryGeometry(every_n_steps=2)], max_steps=7)
+    assert set(run.series(names.TRAJECTORY).values) == {
+        names.TRAJECTORY_PATH_LENGTH,
+        names.TRAJECTORY_TORTUOSITY,
+        names.TRAJECTORY_UPDATE_COSINE,
+        names.TRAJECTORY_GRADIENT_COSINE,
+    }
+    assert_rows(run, hand_computed(7, batch_size=2), [0, 2, 4, 6])
+    assert np.isnan(run.series(names.TRAJECTORY)[names.TRAJECTORY_UPDATE_COSINE][0])
+    assert not run.events()
+
+
+def test_accumulation_and_clipping_use_the_gradient_the_optimizer_was_handed(tmp_path):
+    """Under accumulation the gradient is the mean over micro-batches; clipping by value
+    changes its direction, and the row follows the clipped one."""
+    run = fit(
+        Quadratic(),
+        tmp_path / "run.h5",
+        [TrajectoryGeometry()],
+        max_steps=4,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.8,
+        gradient_clip_algorithm="value",
+    )
+    expected = hand_computed(4, batch_size=2, accumulate=2, clip=0.8)
+    assert_rows(run, expected, [0, 1, 2, 3])
+    recorded = run.series(names.TRAJECTORY)[names.TRAJECTORY_GRADIENT_COSINE]
+    unclipped = [row["unclipped"] for row in expected]
+    assert np.all(np.abs(recorded - unclipped) > 1e-2)  # the clipped gradient, not the raw one
+
+
+def test_manual_optimization_records_the_path_and_says_why_not_the_gradient(tmp_path):
+    run = fit(ManualQuadratic(), tmp_path / "run.h5", [TrajectoryGeometry()], max_steps=4)
+    recorded = run.series(names.TRAJECTORY)
+    assert names.TRAJECTORY_GRADIENT_COSINE not in recorded.values
+    assert_rows(run, hand_computed(4, batch_size=2), [0, 1, 2, 3])
+    (probe,) = run.attrs[names.ATTR_PROBES]
+    assert probe["settings"]["gradient"].startswith("not measured: manual optimization")
+    (event,) = run.events()
+    assert event.kind == names.EVENT_WARNING and "gradient_cosine not recorded" in event.message
+
+
+def test_training_is_bit_identical_and_lengths_agree_with_the_displacement(tmp_path):
+    """A BatchNorm CNN with dict batches, dropout and a scheduler: the same parameters with and
+    without the probe, and the path length is the sum of ParameterDisplacement's updates."""
+    finals = []
+    for i, probes in enumerate(
+        [[TrainingLoss()], [TrainingLoss(), ParameterDisplacement(), TrajectoryGeometry()]]
+    ):
+        torch.manual_seed(0)
+        module = DigitsCNN()
+        trainer = make_quiet_trainer(
+            max_steps=5, callbacks=[DynamicsRecorder(tmp_path / f"{i}.h5", probes)]
+        )
+        trainer.fit(module, datamodule=DigitsData())
+        finals.append([p.detach().clone() for p in module.parameters()])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
+    run = open_run(tmp_path / "1.h5")
+    geometry, displacement = run.series(names.TRAJECTORY), run.series(names.DISPLACEMENT)
+    np.testing.assert_allclose(
+        geometry[names.TRAJECTORY_PATH_LENGTH],
+        np.cumsum(displacement[names.DISPLACEMENT_UPDATE]),
+        rtol=1e-5,
+    )
+    theta_final = run.vector(names.THETA_FINAL) - run.vector(names.THETA0)
+    chords = [*displacement[names.DISPLACEMENT_TOTAL][1:], np.linalg.norm(theta_final)]
+    np.testing.assert_allclose(
+        geometry[names.TRAJECTORY_TORTUOSITY],
+        geometry[names.TRAJECTORY_PATH_LENGTH] / np.array(chords),
+        rtol=1e-5,
+    )
+    cosine = geometry[names.TRAJECTORY_GRADIENT_COSINE]
+    assert np.all((cosine > 0) & (cosine <= 1))
+
+
+def test_probe_contract_and_resumable_state():
+    batch = (torch.tensor(TARGETS[:2], dtype=torch.float32),)
+    series = check_probe(TrajectoryGeometry(), Quadratic(), batch, steps=3)
+    assert np.isfinite(series[names.TRAJECTORY][names.TRAJECTORY_PATH_LENGTH]).all()
+
+
+def test_report_and_compare_draw_the_series(tmp_path):
+    runs = [
+        fit(
+            Quadratic(batch_size=size),
+            tmp_path / f"b{size}.h5",
+            [TrainingLoss(), TrajectoryGeometry()],
+            max_steps=4,
+        ).path
+        for size in (2, 4)
+    ]
+    report = write_report(runs[:1], tmp_path / "report.html").path.read_text()
+    compare = write_comparison(runs, tmp_path / "compare.html").path.read_text()
+    for title in (
+        "Path length",
+        "Tortuosity",
+        "Cosine between consecutive updates",
+        "descent direction",
+    ):
+        assert title in report and title in compare
+
+
+def test_a_resumed_fit_continues_the_same_path(tmp_path):
+    """The path length and the previous update's direction come back from the checkpoint
+    (saved at an epoch's end: Lightning restarts an unshuffled epoch it resumes in its middle)."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    def fit_checkpointed(path, max_steps, ckpt_path=None):
+        checkpoint = ModelCheckpoint(tmp_path / path.stem, every_n_train_steps=4, save_top_k=-1)
+        recorder = DynamicsRecorder(path, [TrajectoryGeometry()], flush_interval_s=1e9)
+        trainer = make_quiet_trainer(
+            max_steps=max_steps, enable_checkpointing=True, callbacks=[recorder, checkpoint]
+        )
+        trainer.fit(Quadratic(batch_size=4), ckpt_path=ckpt_path)
+
+    straight, resumed = tmp_path / "straight.h5", tmp_path / "resumed.h5"
+    fit_checkpointed(straight, 7)
+    fit_checkpointed(resumed, 5)
+    fit_checkpointed(resumed, 7, tmp_path / "resumed" / "epoch=0-step=4.ckpt")
+    a, b = (open_run(p).series(names.TRAJECTORY) for p in (straight, resumed))
+    np.testing.assert_array_equal(b.step, range(7))
+    for name in a.values:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert_rows(open_run(resumed), hand_computed(7, batch_size=4), range(7))
