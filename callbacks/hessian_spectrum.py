@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytorch_lightning as pl
@@ -12,11 +12,23 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss, upcast
-from dynamics.curvature import HessianOperator, hutch_plus_plus, lanczos, spectral_density
+from dynamics.curvature import (
+    Eigenpairs,
+    HessianOperator,
+    hutch_plus_plus,
+    lanczos,
+    spectral_density,
+    track_eigenpairs,
+)
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_rule import loss_at
 from dynamics.store import View, names
 from dynamics.store.views import standard_view
+
+# Eigenvectors beyond the top k that the tracking solver carries along: without them the k-th
+# pair of a cluster converges at the rate of its gap to the (k+1)-th eigenvalue, which on the
+# teacher–student model left most records to the cold restart.
+GUARDS = 2
 
 
 class HessianSpectrum(Probe):
@@ -36,6 +48,17 @@ class HessianSpectrum(Probe):
     In the default ``mode="eval"`` dropout is off and BatchNorm uses its running statistics, so
     the spectrum is a deterministic function of θ; ``mode="train"`` measures the loss as the
     training step sees it (one dropout mask and one set of batch statistics per row).
+
+    ``solver="tracking"`` refines the previous row's eigenvectors instead
+    (:func:`dynamics.curvature.track_eigenpairs`: block Rayleigh–Ritz with residual expansion,
+    a cold Lanczos when the subspace was lost); its residual test is the same ``‖H v − λ v‖ ≤
+    tol·|λ|``, so each row's ``residuals`` bound the error as for Lanczos. With a loose ``tol``
+    (``1e-2``) it is the cheap mode for long runs: the eigenvalue error of a Ritz value is of
+    order ``‖r‖²/gap``, far below ``‖r‖`` — within 1e-3 of a tight cold Lanczos at every record
+    of ``benchmarks/bench_hessian.py`` — but only ``‖r‖`` itself is guaranteed, and pairs are
+    certified as eigenpairs, not as the top k (a new sharp direction orthogonal to the tracked
+    ones would be missed until a cold restart). The default stays ``"lanczos"``, which
+    finds the top k from a random component too.
 
     Under DDP every rank differentiates the loss on its own probe batch and every product is
     averaged across ranks: the eigenvalues are those of the data-parallel Hessian, identical on
@@ -75,6 +98,12 @@ class HessianSpectrum(Probe):
         seed: seed of the random start vectors (the global RNG is never used).
         mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
             while its Hessian is measured.
+        solver: ``"lanczos"`` (thick-restart Lanczos, warm-started when ``warm_start``) or
+            ``"tracking"`` (refine the previous row's eigenvectors; the first row, and any row
+            whose subspace was lost, is a cold Lanczos).
+        max_basis: with ``solver="tracking"``, basis vectors before the cold restart
+            (default ``5·(k + 2)``: the k pairs and two guards, as in
+            :func:`~dynamics.curvature.track_eigenpairs`).
     """
 
     name = names.HESSIAN
@@ -94,8 +123,14 @@ class HessianSpectrum(Probe):
         warm_start: bool = True,
         seed: int = 0,
         mode: Mode = "eval",
+        solver: Literal["lanczos", "tracking"] = "lanczos",
+        max_basis: int | None = None,
     ) -> None:
         super().__init__(every_n_steps)
+        if solver not in ("lanczos", "tracking"):
+            raise ValueError(f"solver must be 'lanczos' or 'tracking', got {solver!r}")
+        if max_basis is not None and max_basis < k + GUARDS:
+            raise ValueError(f"max_basis must be at least k + {GUARDS}, got {max_basis}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if trace_hvp and trace_hvp < 4:
@@ -111,6 +146,8 @@ class HessianSpectrum(Probe):
         self.density_steps = density_steps
         self.warm_start = warm_start
         self.seed = seed
+        self.solver = solver
+        self.max_basis = max_basis
         self._loss = ProbeLoss("HessianSpectrum", mode, batch)
         self._names: list[str] = []  # the trainable parameters, found at setup
         self.dtype: torch.dtype | None = None  # of the measurement, decided at setup
@@ -221,20 +258,18 @@ class HessianSpectrum(Probe):
         return row
 
     def _row_of(self, operator: HessianOperator) -> dict[str, Any]:
-        warm = self._ritz if self.warm_start else None
-        pairs = lanczos(
-            operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
-        )
+        pairs = self._eigenpairs(operator)
         self._ritz = pairs.eigenvectors
+        vectors = pairs.eigenvectors[: self.k]
         row: dict[str, Any] = {
             names.HESSIAN_LOSS: operator.loss,
-            names.HESSIAN_EIGENVALUES: pairs.eigenvalues.float().numpy(),
-            names.HESSIAN_RESIDUALS: pairs.residuals.float().numpy(),
+            names.HESSIAN_EIGENVALUES: pairs.eigenvalues[: self.k].float().numpy(),
+            names.HESSIAN_RESIDUALS: pairs.residuals[: self.k].float().numpy(),
             names.HESSIAN_CONVERGED: np.int8(pairs.converged),
         }
         if self.gradient_share:
             gradient = operator.gradient
-            inside = torch.linalg.vector_norm(pairs.eigenvectors @ gradient) ** 2
+            inside = torch.linalg.vector_norm(vectors @ gradient) ** 2
             row[names.HESSIAN_GRADIENT_SHARE] = (
                 inside / torch.linalg.vector_norm(gradient) ** 2
             ).item()
@@ -249,6 +284,26 @@ class HessianSpectrum(Probe):
             row[names.HESSIAN_DENSITY_WEIGHTS] = density.weights.astype(np.float32)
         row[names.HESSIAN_N_HVP] = operator.n_hvp
         return row
+
+    def _eigenpairs(self, operator: HessianOperator) -> Eigenpairs:
+        """The top k pairs (tracking: and the guards, to be tracked at the next row)."""
+        if self.solver == "lanczos":
+            warm = self._ritz if self.warm_start else None
+            return lanczos(
+                operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
+            )
+        width = min(self.k + GUARDS, operator.size)
+        if self._ritz is None or len(self._ritz) != width:
+            return lanczos(operator, width, self.tol, max_hvp=self.max_hvp, seed=self.seed)
+        return track_eigenpairs(
+            operator,
+            self._ritz,
+            self.tol,
+            k=self.k,
+            max_basis=self.max_basis,
+            max_hvp=self.max_hvp,
+            seed=self.seed,
+        )
 
     def teardown(self) -> None:
         self._ritz = None
