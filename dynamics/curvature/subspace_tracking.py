@@ -83,16 +83,21 @@ def track_eigenpairs(
 
     basis = torch.empty(max_basis, operator.size, dtype=operator.dtype, device=operator.device)
     images = torch.empty_like(basis)  # H @ basis row by row
+    projected = torch.zeros(max_basis, max_basis, dtype=torch.float64)  # basis H basisᵀ
     m = 0
     incoming = previous.to(operator.dtype).to(operator.device)
     while True:
         grown, m = m, _extend(operator, basis, images, m, incoming)
         if m == grown:
             break  # nothing new to add: the residuals are (numerically) inside the basis
-        projected = (basis[:m] @ images[:m].T).double().cpu()
-        if not projected.isfinite().all():
+        # Only the new rows (and, by symmetry, columns): a full product per round cost more
+        # than the products of H on the default model.
+        new = (basis[grown:m] @ images[:m].T).double().cpu()
+        if not new.isfinite().all():
             raise FloatingPointError("a Hessian-vector product is not finite")
-        values, coordinates = torch.linalg.eigh((projected + projected.T) / 2)
+        projected[grown:m, :m] = new
+        projected[:m, grown:m] = new.T
+        values, coordinates = torch.linalg.eigh(projected[:m, :m])
         top = values.argsort(descending=True)[: min(width, m)]
         mixing = coordinates[:, top].T.to(basis)
         vectors, products = mixing @ basis[:m], mixing @ images[:m]
