@@ -24,7 +24,8 @@ on the same float64 products.
    teacher_student.yaml``, its unshifted student, ``--fit-steps`` steps) fitted bare and with
    ``HessianSpectrum(k=5, every_n_steps=50, solver="tracking", tol=--track-tol)`` (and, with
    ``--with-lanczos``, the default Lanczos probe), alternating in one process, ``--pairs``
-   times: the median wall-time ratio with its range. An untimed fit first checks every
+   times: the median ratio of the fits' CPU times (one thread; wall time on a shared machine
+   measured the neighbours) with its range. An untimed fit first checks every
    tracking record against a cold Lanczos to 1e-6 on the same operator (the same batch and
    θ): the largest relative deviation, the products per record and the cold restarts.
 
@@ -364,7 +365,12 @@ class CheckedSpectrum(HessianSpectrum):
 
 
 def fit_seconds(config, steps: int, probes: list | None, folder: Path) -> float:
-    """Wall time of one fit of the config's unshifted student (validation off)."""
+    """CPU seconds of one fit of the config's unshifted student (validation off).
+
+    CPU time of this process, not wall time: on a shared machine the wall time of identical
+    fits varied 2× between neighbours, while a single-threaded fit's CPU time does not count
+    the time other processes held the core.
+    """
     built = TeacherStudent().build(config, "unshifted")
     callbacks = (
         [] if probes is None else [DynamicsRecorder(folder / f"{time.monotonic_ns()}.h5", probes)]
@@ -379,9 +385,9 @@ def fit_seconds(config, steps: int, probes: list | None, folder: Path) -> float:
         enable_model_summary=False,
         accelerator="cpu",
     )
-    start = time.perf_counter()
+    start = time.process_time()
     trainer.fit(built.module, built.data)
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def tracking_cost(pairs: int, steps: int | None, tol: float, with_lanczos: bool) -> None:
@@ -406,7 +412,7 @@ def tracking_cost(pairs: int, steps: int | None, tol: float, with_lanczos: bool)
         ratios: dict[str, list[float]] = {name: [] for name in variants}
         for pair in range(pairs):
             bare = fit_seconds(config, config.steps, None, Path(folder))
-            line = f"pair {pair + 1}/{pairs}: bare {bare:.1f} s"
+            line = f"pair {pair + 1}/{pairs}: bare {bare:.1f} CPU s"
             for name, probes in variants.items():
                 seconds = fit_seconds(config, config.steps, probes(), Path(folder))
                 ratios[name].append(seconds / bare)
@@ -414,7 +420,7 @@ def tracking_cost(pairs: int, steps: int | None, tol: float, with_lanczos: bool)
             print(line, flush=True)
     for name, values in ratios.items():
         print(
-            f"{name} / bare: {statistics.median(values):.2f}x (median of {pairs}, range "
+            f"{name} / bare, CPU time: {statistics.median(values):.2f}x (median of {pairs}, range "
             f"{min(values):.2f}-{max(values):.2f})"
         )
     print("load average (1, 5, 15 min):", " ".join(f"{x:.2f}" for x in os.getloadavg()))
