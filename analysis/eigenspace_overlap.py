@@ -24,7 +24,9 @@ def eigenspace_overlap(a: Run, b: Run) -> tuple[np.ndarray, np.ndarray] | None:
     None when either stored none, when their k differ, or when the parameter layouts differ
     (vectors of different parameters share no coordinates to compare).
     """
-    if a.layout is None or a.layout != b.layout:
+    # The stored layouts as text: Run.layout would import torch, which offline views never do.
+    layout = a.attrs.get(names.ATTR_LAYOUT)
+    if layout is None or layout != b.attrs.get(names.ATTR_LAYOUT):
         return None
     stored = [run.recorded(names.HESSIAN_VECTORS) for run in (a, b)]
     if any(rows is None for rows in stored):
