@@ -92,7 +92,9 @@ class HessianSpectrum(Probe):
       sharp directions rotate, ``‖V_sᵀ V_t‖²_F / k`` for the top-k eigenvectors ``V_s`` of the
       previous row (step ``s``) and ``V_t`` of this one, and how much of the update between the
       two rows moved along them, ``‖V_s (θt − θs)‖² / ‖θt − θs‖²``; NaN on a fit's first row
-      (no previous record). Costs one more parameter vector of memory.
+      (no previous record). Costs one more parameter vector of memory. When λ_k equals
+      λ_{k+1} (a repeated eigenvalue, e.g. a linear layer with several outputs under MSE) the
+      top-k eigenspace is not one subspace and its overlap means nothing.
 
     Group ``hessian_vectors`` (with ``vector_budget_mb``): the top-k eigenvectors ``vectors``
     ``(k, n)`` in float32 (the order of the trainable parameters), at records thinned evenly

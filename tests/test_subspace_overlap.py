@@ -88,12 +88,14 @@ def test_probe_overlap_is_one_for_a_fixed_hessian_and_cos_squared_when_it_rotate
 
 
 class Wide(pl.LightningModule):
-    """A linear regression with a few hundred parameters, trained by SGD."""
+    """A linear regression with one output, trained by SGD: its Hessian on the probe batch is
+    constant, ``2 XᵀX / N`` in the weights, with distinct eigenvalues (several outputs would
+    repeat each one, and a top-k cutting through a repeated eigenvalue is no one subspace)."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.net = nn.Linear(20, 10)
+        self.net = nn.Linear(20, 1)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -105,12 +107,14 @@ class Wide(pl.LightningModule):
     def train_dataloader(self):
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(64, 20, generator=generator)
-        y = torch.randn(64, 10, generator=generator)
+        y = torch.randn(64, 1, generator=generator)
         return torch.utils.data.DataLoader(list(zip(x, y)), batch_size=16)
 
 
 def _recorded_fit(path, seed: int, budget_mb: float, steps: int) -> HessianSpectrum:
-    probe = HessianSpectrum(k=3, every_n_steps=2, vector_budget_mb=budget_mb)
+    probe = HessianSpectrum(
+        k=3, every_n_steps=2, vector_budget_mb=budget_mb, eigenspace_overlap=True
+    )
     pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -124,7 +128,7 @@ def _recorded_fit(path, seed: int, budget_mb: float, steps: int) -> HessianSpect
 
 
 def test_stored_vectors_stay_within_budget_and_compare_draws_their_overlap(tmp_path) -> None:
-    each = 4 * 3 * (20 * 10 + 10)  # k eigenvectors of the 210 parameters, float32
+    each = 4 * 3 * 21  # k eigenvectors of the 21 parameters, float32
     budget_mb = 5.5 * each / 2**20  # room for 5 records of 20
     probes = [_recorded_fit(tmp_path / f"{s}.h5", s, budget_mb, 40) for s in (0, 1)]
     runs = [open_run(tmp_path / f"{s}.h5") for s in (0, 1)]
@@ -149,6 +153,18 @@ def test_stored_vectors_stay_within_budget_and_compare_draws_their_overlap(tmp_p
     result = run_dynamics("compare", *(run.path for run in runs), "-o", page)
     assert result.returncode == 0, result.stderr
     assert "Hessian eigenspaces at matching steps" in page.read_text()
+    # The report draws the overlap of consecutive records and the update's share.
+    hessian = runs[0].series(names.HESSIAN)
+    overlap, share = hessian[names.HESSIAN_OVERLAP], hessian[names.HESSIAN_UPDATE_SHARE]
+    assert np.isnan(overlap[0])
+    np.testing.assert_allclose(overlap[1:], 1.0, atol=1e-4)  # a constant Hessian
+    assert np.all((share[1:] >= 0) & (share[1:] <= 1 + 1e-6))
+    report = tmp_path / "report.html"
+    result = run_dynamics("report", runs[0].path, "-o", report)
+    assert result.returncode == 0, result.stderr
+    text = report.read_text()
+    assert "Top-k eigenspace overlap with the previous record" in text
+    assert "in that record's top-k eigenspace" in text
 
 
 def test_a_budget_too_small_for_two_records_stores_none_and_says_why() -> None:
