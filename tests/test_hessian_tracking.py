@@ -147,3 +147,22 @@ def test_bad_tracking_arguments_get_one_clear_error() -> None:
         track_eigenpairs(operator, torch.ones(2, 5, dtype=torch.float64), max_basis=1)
     with pytest.raises(ValueError, match="solver"):
         HessianSpectrum(solver="arnoldi")
+
+
+def test_a_resumed_tracking_probe_continues_as_an_uninterrupted_one() -> None:
+    module, batch = _tiny()
+    first, resumed = (
+        HessianSpectrum(k=2, tol=1e-4, batch=batch, solver="tracking", eigenspace_overlap=True)
+        for _ in range(2)
+    )
+    first.setup(SimpleNamespace(strategy=None), module, batch)
+    first.measure(module, 0)
+    resumed.load_state_dict(first.state_dict())
+    resumed.setup(SimpleNamespace(strategy=None), module, batch)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1e-3)
+    expected, row = first.measure(module, 1), resumed.measure(module, 1)
+    assert row.keys() == expected.keys()
+    for name in row:
+        np.testing.assert_array_equal(row[name], expected[name])
