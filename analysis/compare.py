@@ -41,6 +41,7 @@ from dynamics.analysis.comparison import (
     verdict,
 )
 from dynamics.analysis.decoded_images import decoded_images, decoded_images_figure
+from dynamics.analysis.eigenspace_overlap import eigenspace_overlap_figure
 from dynamics.analysis.figures import (
     Curve,
     compared_view_figure,
@@ -331,6 +332,9 @@ def _figures(runs: list[Run], labels: list[str]) -> list[tuple[str, go.Figure]]:
             densities = {label: rows for label, rows in densities.items() if rows is not None}
             if densities:
                 figures.append(("spectral-density", density_figure(densities)))
+            overlap = eigenspace_overlap_figure(runs, labels, colors)
+            if overlap is not None:
+                figures.append(("eigenspace-overlap", overlap))
     return figures
 
 

@@ -20,30 +20,54 @@ on the same float64 products.
    the top-5 on the fixed batch, from the previous record's Ritz vectors or from a random
    vector, and the products each needed — recorded every step for 10 steps, then every 10
    steps for ``--steps`` steps.
+4. The cost of leaving curvature on: the default teacher–student config (``configs/
+   teacher_student.yaml``, its unshifted student, ``--fit-steps`` steps) fitted bare and with
+   ``HessianSpectrum(k=5, every_n_steps=50, solver="tracking", tol=--track-tol)`` (and, with
+   ``--with-lanczos``, the default Lanczos probe), alternating in one process, ``--pairs``
+   times: the median ratio of the fits' CPU times (one thread; wall time on a shared machine
+   measured the neighbours) with its range. An untimed fit first checks every
+   tracking record against a cold Lanczos to 1e-6 on the same operator (the same batch and
+   θ): the largest relative deviation, the products per record and the cold restarts.
 
-Usage: ``python benchmarks/bench_hessian.py [--reps 6] [--seeds 3] [--threads 1] [--steps 100]``
+Usage: ``python benchmarks/bench_hessian.py [--reps 6] [--seeds 3] [--threads 1] [--steps 100]
+[--pairs 5] [--fit-steps 2000] [--track-tol 1e-2] [--only tracking|peers]``; the curvlinops row
+needs the ``bench`` extra (``pip install -e ".[bench]"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import hessian_eigenthings as eigenthings
 import numpy as np
+import pytorch_lightning as pl
 import scipy.sparse.linalg
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, jacrev, jvp
 
-from dynamics.curvature import HessianOperator, lanczos, top_eigenvalues
+from dynamics.callbacks import DynamicsRecorder, HessianSpectrum
+from dynamics.curvature import Eigenpairs, HessianOperator, lanczos, top_eigenvalues
+from dynamics.experiments.config import load_config
+from dynamics.experiments.runner import quiet_lightning
+from dynamics.experiments.teacher_student_experiment import TeacherStudent
 from dynamics.models import ResidualMLP
 
+try:  # the bench extra; without it the curvlinops row says so instead of a number
+    import curvlinops
+except ImportError:
+    curvlinops = None
+
 ACCURACY = 1e-4
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"
 
 
 @dataclass
@@ -107,6 +131,29 @@ def eigenthings_on_our_operator(problem: Problem, k: int, steps: float, seed: in
     return result.eigenvalues.double().sort(descending=True).values, operator.n_hvp
 
 
+def curvlinops_eigsh(problem: Problem, k: int, tol: float, seed: int):
+    """curvlinops' Hessian operator (forward and double backward per product, as it ships)
+    with ARPACK through ``scipy.sparse.linalg.eigsh``; products counted at the scipy boundary."""
+    x, y = problem.batch
+    operator = curvlinops.HessianLinearOperator(
+        problem.student,
+        torch.nn.MSELoss(),
+        problem.params,
+        [(x, y)],
+        check_deterministic=False,  # a one-off check of several products, not the solve
+    ).to_scipy()
+    calls = [0]
+
+    def matvec(vector: np.ndarray) -> np.ndarray:
+        calls[0] += 1
+        return operator @ vector
+
+    counted = scipy.sparse.linalg.LinearOperator(operator.shape, matvec=matvec, dtype=np.float32)
+    start = np.random.default_rng(seed).standard_normal(operator.shape[0]).astype(np.float32)
+    values = scipy.sparse.linalg.eigsh(counted, k=k, which="LA", tol=tol, v0=start)[0]
+    return torch.from_numpy(np.sort(values)[::-1].copy()).double(), calls[0]
+
+
 STEPS = [10, 12, 15, 18, 20, 25, 30, 35, 40, 45, 50]
 METHODS = [
     Method("ours (Lanczos)", ours, [1e-2, 3e-3, 1e-3, 3e-4, 1e-4], "tol"),
@@ -114,6 +161,7 @@ METHODS = [
     Method("PyHessian", pyhessian, [1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8], "tol"),
     Method("eigenthings", eigenthings_as_shipped, STEPS, "steps"),
     Method("eigenthings on ours", eigenthings_on_our_operator, STEPS, "steps"),
+    Method("curvlinops + eigsh", curvlinops_eigsh, [1e-2, 1e-3, 1e-4, 1e-5, 1e-6], "tol"),
 ]
 
 
@@ -189,6 +237,9 @@ def time_to_accuracy(problem: Problem, k: int, reps: int, seeds: int) -> None:
     print(f"\n== top-{k} to {ACCURACY:g} relative accuracy, {seeds} seeds, median of {reps} ==")
     rows, jobs = {}, {}
     for method in METHODS:
+        if method.run is curvlinops_eigsh and curvlinops is None:
+            print(f"{method.name:>22}: not measured, curvlinops-for-pytorch is not installed")
+            continue
         found = calibrate(problem, method, k, seeds)
         if found is None:
             print(f"{method.name:>22}: not within {ACCURACY:g} on its ladder {method.ladder}")
@@ -290,6 +341,91 @@ def warm_against_cold(problem: Problem, steps: int, every: int) -> None:
     )
 
 
+class CheckedSpectrum(HessianSpectrum):
+    """The probe, each record's eigenvalues also compared with a cold Lanczos to 1e-6 on the
+    same operator (its products are not the probe's: the row's ``n_hvp`` includes them, so
+    this runs untimed; the probe's own count is kept here)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.deviations: list[float] = []
+        self.costs: list[int] = []
+        self.restarts = 0
+
+    def _eigenpairs(self, operator: HessianOperator) -> Eigenpairs:
+        pairs = super()._eigenpairs(operator)
+        self.costs.append(pairs.n_hvp)
+        self.restarts += pairs.restarted
+        cold = lanczos(operator, self.k, 1e-6, max_hvp=5000, seed=self.seed + 1)
+        found = pairs.eigenvalues[: self.k]
+        self.deviations.append(
+            ((found - cold.eigenvalues).abs() / cold.eigenvalues.abs()).max().item()
+        )
+        return pairs
+
+
+def fit_seconds(config, steps: int, probes: list | None, folder: Path) -> float:
+    """CPU seconds of one fit of the config's unshifted student (validation off).
+
+    CPU time of this process, not wall time: on a shared machine the wall time of identical
+    fits varied 2× between neighbours, while a single-threaded fit's CPU time does not count
+    the time other processes held the core.
+    """
+    built = TeacherStudent().build(config, "unshifted")
+    callbacks = (
+        [] if probes is None else [DynamicsRecorder(folder / f"{time.monotonic_ns()}.h5", probes)]
+    )
+    trainer = pl.Trainer(
+        max_steps=steps,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    start = time.process_time()
+    trainer.fit(built.module, built.data)
+    return time.process_time() - start
+
+
+def tracking_cost(pairs: int, steps: int | None, tol: float, with_lanczos: bool) -> None:
+    _, config = load_config(CONFIG, steps=steps)
+    every, k = 50, 5
+    print(
+        f"\n== HessianSpectrum top-{k} every {every} of {config.steps} steps, default config, "
+        f"tracking tol {tol:g} =="
+    )
+    variants = {"tracking": lambda: [HessianSpectrum(k, every, tol, solver="tracking")]}
+    if with_lanczos:
+        variants["lanczos (default)"] = lambda: [HessianSpectrum(k, every)]
+    with tempfile.TemporaryDirectory() as folder:
+        checked = CheckedSpectrum(k=k, every_n_steps=every, tol=tol, solver="tracking")
+        fit_seconds(config, config.steps, [checked], Path(folder))  # also the warm-up
+        print(
+            f"{len(checked.costs)} records checked against a cold Lanczos to 1e-6: max relative "
+            f"deviation {max(checked.deviations):.1e}; products per record median "
+            f"{statistics.median(checked.costs):g} (first {checked.costs[0]}, range "
+            f"{min(checked.costs)}-{max(checked.costs)}), {checked.restarts} cold restart(s)"
+        )
+        ratios: dict[str, list[float]] = {name: [] for name in variants}
+        for pair in range(pairs):
+            bare = fit_seconds(config, config.steps, None, Path(folder))
+            line = f"pair {pair + 1}/{pairs}: bare {bare:.1f} CPU s"
+            for name, probes in variants.items():
+                seconds = fit_seconds(config, config.steps, probes(), Path(folder))
+                ratios[name].append(seconds / bare)
+                line += f", {name} {seconds:.1f} s"
+            print(line, flush=True)
+    for name, values in ratios.items():
+        print(
+            f"{name} / bare, CPU time: {statistics.median(values):.2f}x (median of {pairs}, range "
+            f"{min(values):.2f}-{max(values):.2f})"
+        )
+    print("load average (1, 5, 15 min):", " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=6)
@@ -297,9 +433,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--fit-steps", type=int, default=None, help="default: the config's")
+    parser.add_argument("--track-tol", type=float, default=1e-2)
+    parser.add_argument("--with-lanczos", action="store_true")
+    parser.add_argument("--only", choices=("tracking", "peers"), default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
+    quiet_lightning()
+    if args.only != "peers":
+        tracking_cost(args.pairs, args.fit_steps, args.track_tol, args.with_lanczos)
+    if args.only == "tracking":
+        return
     problem = build_problem(args.batch)
     for k in (1, 5):
         time_to_accuracy(problem, k, args.reps, args.seeds)

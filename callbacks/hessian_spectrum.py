@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Literal
 
 import numpy as np
 import pytorch_lightning as pl
@@ -12,11 +13,28 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss, upcast
-from dynamics.curvature import HessianOperator, hutch_plus_plus, lanczos, spectral_density
+from dynamics.curvature import (
+    Eigenpairs,
+    HessianOperator,
+    hutch_plus_plus,
+    lanczos,
+    spectral_density,
+    track_eigenpairs,
+)
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_rule import loss_at
+from dynamics.params import flatten
 from dynamics.store import View, names
 from dynamics.store.views import standard_view
+from dynamics.subspace_overlap import subspace_overlap, update_share
+
+# Eigenvectors beyond the top k that the tracking solver carries along: without them the k-th
+# pair of a cluster converges at the rate of its gap to the (k+1)-th eigenvalue, which on the
+# teacher–student model left most records to the cold restart.
+GUARDS = 2
+
+# Series that have no value on a fit's first row (there is no previous record): NaN there.
+MISSING_ON_FIRST_ROW = (names.HESSIAN_OVERLAP, names.HESSIAN_UPDATE_SHARE)
 
 
 class HessianSpectrum(Probe):
@@ -36,6 +54,17 @@ class HessianSpectrum(Probe):
     In the default ``mode="eval"`` dropout is off and BatchNorm uses its running statistics, so
     the spectrum is a deterministic function of θ; ``mode="train"`` measures the loss as the
     training step sees it (one dropout mask and one set of batch statistics per row).
+
+    ``solver="tracking"`` refines the previous row's eigenvectors instead
+    (:func:`dynamics.curvature.track_eigenpairs`: block Rayleigh–Ritz with residual expansion,
+    a cold Lanczos when the subspace was lost); its residual test is the same ``‖H v − λ v‖ ≤
+    tol·|λ|``, so each row's ``residuals`` bound the error as for Lanczos. With a loose ``tol``
+    (``1e-2``) it is the cheap mode for long runs: the eigenvalue error of a Ritz value is of
+    order ``‖r‖²/gap``, far below ``‖r‖`` — within 1e-3 of a tight cold Lanczos at every record
+    of ``benchmarks/bench_hessian.py`` — but only ``‖r‖`` itself is guaranteed, and pairs are
+    certified as eigenpairs, not as the top k (a new sharp direction orthogonal to the tracked
+    ones would be missed until a cold restart). The default stays ``"lanczos"``, which
+    finds the top k from a random component too.
 
     Under DDP every rank differentiates the loss on its own probe batch and every product is
     averaged across ranks: the eigenvalues are those of the data-parallel Hessian, identical on
@@ -58,7 +87,20 @@ class HessianSpectrum(Probe):
       gradient ``g`` and the projector ``P_k`` on the top-k eigenvectors;
     - ``density_nodes``, ``density_weights`` (runs, steps) (with ``density_runs``): the
       stochastic Lanczos quadrature; :func:`dynamics.curvature.broadened_density` turns it into
-      a density on any grid.
+      a density on any grid;
+    - ``overlap_previous`` and ``update_share`` (with ``eigenspace_overlap=True``): how fast the
+      sharp directions rotate, ``‖V_sᵀ V_t‖²_F / k`` for the top-k eigenvectors ``V_s`` of the
+      previous row (step ``s``) and ``V_t`` of this one, and how much of the update between the
+      two rows moved along them, ``‖V_s (θt − θs)‖² / ‖θt − θs‖²``; NaN on a fit's first row
+      (no previous record). Costs one more parameter vector of memory. When λ_k equals
+      λ_{k+1} (a repeated eigenvalue, e.g. a linear layer with several outputs under MSE) the
+      top-k eigenspace is not one subspace and its overlap means nothing.
+
+    Group ``hessian_vectors`` (with ``vector_budget_mb``): the top-k eigenvectors ``vectors``
+    ``(k, n)`` in float32 (the order of the trainable parameters), at records thinned evenly
+    so that the fit's expected total stays within the budget, as parameter snapshots are; the
+    first record is always among them. ``dynamics compare`` draws the overlap of two runs'
+    eigenspaces at the steps both stored (:mod:`dynamics.analysis.eigenspace_overlap`).
 
     Args:
         k: how many eigenvalues.
@@ -75,6 +117,14 @@ class HessianSpectrum(Probe):
         seed: seed of the random start vectors (the global RNG is never used).
         mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
             while its Hessian is measured.
+        eigenspace_overlap: record ``overlap_previous`` and ``update_share``.
+        vector_budget_mb: bytes (MiB) for stored eigenvectors over the fit; 0 stores none.
+        solver: ``"lanczos"`` (thick-restart Lanczos, warm-started when ``warm_start``) or
+            ``"tracking"`` (refine the previous row's eigenvectors; the first row, and any row
+            whose subspace was lost, is a cold Lanczos).
+        max_basis: with ``solver="tracking"``, basis vectors before the cold restart
+            (default ``5·(k + 2)``: the k pairs and two guards, as in
+            :func:`~dynamics.curvature.track_eigenpairs`).
     """
 
     name = names.HESSIAN
@@ -94,8 +144,16 @@ class HessianSpectrum(Probe):
         warm_start: bool = True,
         seed: int = 0,
         mode: Mode = "eval",
+        solver: Literal["lanczos", "tracking"] = "lanczos",
+        max_basis: int | None = None,
+        eigenspace_overlap: bool = False,
+        vector_budget_mb: float = 0.0,
     ) -> None:
         super().__init__(every_n_steps)
+        if solver not in ("lanczos", "tracking"):
+            raise ValueError(f"solver must be 'lanczos' or 'tracking', got {solver!r}")
+        if max_basis is not None and max_basis < k + GUARDS:
+            raise ValueError(f"max_basis must be at least k + {GUARDS}, got {max_basis}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if trace_hvp and trace_hvp < 4:
@@ -111,6 +169,13 @@ class HessianSpectrum(Probe):
         self.density_steps = density_steps
         self.warm_start = warm_start
         self.seed = seed
+        self.solver = solver
+        self.max_basis = max_basis
+        self.eigenspace_overlap = eigenspace_overlap
+        self.vector_budget_mb = vector_budget_mb
+        self.vector_period = 0  # steps between stored eigenvectors; 0: none
+        self._size = 0  # trainable parameters, known at setup
+        self._theta: torch.Tensor | None = None  # θ at the previous row (eigenspace_overlap)
         self._loss = ProbeLoss("HessianSpectrum", mode, batch)
         self._names: list[str] = []  # the trainable parameters, found at setup
         self.dtype: torch.dtype | None = None  # of the measurement, decided at setup
@@ -128,6 +193,29 @@ class HessianSpectrum(Probe):
             raise ValueError("HessianSpectrum found no trainable parameter")
         dtypes = {p.dtype for p in pl_module.parameters() if p.requires_grad}
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
+        self._size = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        self.vector_period, reason = self._vector_plan(
+            getattr(trainer, "estimated_stepping_batches", -1)
+        )
+        if reason:
+            self.note(getattr(trainer, "global_step", 0), f"{reason}: no eigenvectors stored")
+
+    def _vector_plan(self, steps: float) -> tuple[int, str]:
+        """Steps between stored eigenvectors (0: none) and, when none fit, why."""
+        if self.vector_budget_mb <= 0:
+            return 0, ""
+        each = 4 * self.k * self._size
+        capacity = int(self.vector_budget_mb * 2**20 // each)
+        if capacity < 2:
+            return 0, (
+                f"vector_budget_mb={self.vector_budget_mb:g} holds fewer than 2 records of "
+                f"{self.k} eigenvectors of {self._size:,} parameters ({each / 2**20:.1f} MiB each)"
+            )
+        if not 0 < steps < math.inf:  # Lightning answers -1 for an unknown length
+            return 0, "the run's length is unknown, so stored eigenvectors cannot be spread over it"
+        records = (int(steps) - 1) // self.every_n_steps + 1
+        # capacity - 1 intervals between capacity records, the first at step 0.
+        return self.every_n_steps * max(1, math.ceil((records - 1) / (capacity - 1))), ""
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
@@ -157,7 +245,16 @@ class HessianSpectrum(Probe):
                 names.HESSIAN_DENSITY_NODES: SeriesSpec(shape),
                 names.HESSIAN_DENSITY_WEIGHTS: SeriesSpec(shape),
             }
-        return {self.name: specs}
+        if self.eigenspace_overlap:
+            specs |= {
+                name: SeriesSpec(view=view(name))
+                for name in (names.HESSIAN_OVERLAP, names.HESSIAN_UPDATE_SHARE)
+            }
+        groups = {self.name: specs}
+        if self.vector_period:
+            ritz = SeriesSpec((self.k, self._size), "float32")
+            groups[names.HESSIAN_VECTORS] = {names.HESSIAN_VECTORS_RITZ: ritz}
+        return groups
 
     def vectors(self) -> dict[str, SeriesSpec]:
         return {names.float_bits(self.name): SeriesSpec((1,), dtype="int8")}
@@ -185,7 +282,13 @@ class HessianSpectrum(Probe):
         step: int,
     ) -> Rows:
         row, self._row = self._row, None
-        return {} if row is None else {self.name: row}
+        if row is None:
+            return {}
+        rows: Rows = {self.name: row}
+        if self.vector_period and step % self.vector_period == 0:
+            ritz = self._ritz[: self.k].float()
+            rows[names.HESSIAN_VECTORS] = {names.HESSIAN_VECTORS_RITZ: ritz}
+        return rows
 
     def measure(self, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
         """One row for the module's current parameters.
@@ -213,7 +316,11 @@ class HessianSpectrum(Probe):
                 average_across_ranks=averaged,
             )
             row = self._row_of(operator)
-        not_finite = [name for name, value in row.items() if not np.isfinite(value).all()]
+        not_finite = [
+            name
+            for name, value in row.items()
+            if name not in MISSING_ON_FIRST_ROW and not np.isfinite(value).all()
+        ]
         if not_finite:
             raise FloatingPointError(
                 f"HessianSpectrum at step {step}: {', '.join(not_finite)} not finite"
@@ -221,23 +328,30 @@ class HessianSpectrum(Probe):
         return row
 
     def _row_of(self, operator: HessianOperator) -> dict[str, Any]:
-        warm = self._ritz if self.warm_start else None
-        pairs = lanczos(
-            operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
-        )
+        previous = None if self._ritz is None else self._ritz[: self.k]
+        pairs = self._eigenpairs(operator)
         self._ritz = pairs.eigenvectors
+        vectors = pairs.eigenvectors[: self.k]
         row: dict[str, Any] = {
             names.HESSIAN_LOSS: operator.loss,
-            names.HESSIAN_EIGENVALUES: pairs.eigenvalues.float().numpy(),
-            names.HESSIAN_RESIDUALS: pairs.residuals.float().numpy(),
+            names.HESSIAN_EIGENVALUES: pairs.eigenvalues[: self.k].float().numpy(),
+            names.HESSIAN_RESIDUALS: pairs.residuals[: self.k].float().numpy(),
             names.HESSIAN_CONVERGED: np.int8(pairs.converged),
         }
         if self.gradient_share:
             gradient = operator.gradient
-            inside = torch.linalg.vector_norm(pairs.eigenvectors @ gradient) ** 2
+            inside = torch.linalg.vector_norm(vectors @ gradient) ** 2
             row[names.HESSIAN_GRADIENT_SHARE] = (
                 inside / torch.linalg.vector_norm(gradient) ** 2
             ).item()
+        if self.eigenspace_overlap:
+            theta = flatten(operator.params).detach()
+            first = previous is None or self._theta is None
+            row[names.HESSIAN_OVERLAP] = math.nan if first else subspace_overlap(vectors, previous)
+            row[names.HESSIAN_UPDATE_SHARE] = (
+                math.nan if first else update_share(theta - self._theta, previous)
+            )
+            self._theta = theta
         if self.trace_hvp:
             trace = hutch_plus_plus(operator, self.trace_hvp, seed=self.seed)
             row[names.HESSIAN_TRACE], row[names.HESSIAN_TRACE_STDERR] = trace.trace, trace.stderr
@@ -250,16 +364,39 @@ class HessianSpectrum(Probe):
         row[names.HESSIAN_N_HVP] = operator.n_hvp
         return row
 
+    def _eigenpairs(self, operator: HessianOperator) -> Eigenpairs:
+        """The top k pairs (tracking: and the guards, to be tracked at the next row)."""
+        if self.solver == "lanczos":
+            warm = self._ritz if self.warm_start else None
+            return lanczos(
+                operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
+            )
+        width = min(self.k + GUARDS, operator.size)
+        if self._ritz is None or len(self._ritz) != width:
+            return lanczos(operator, width, self.tol, max_hvp=self.max_hvp, seed=self.seed)
+        return track_eigenpairs(
+            operator,
+            self._ritz,
+            self.tol,
+            k=self.k,
+            max_basis=self.max_basis,
+            max_hvp=self.max_hvp,
+            seed=self.seed,
+        )
+
     def teardown(self) -> None:
         self._ritz = None
+        self._theta = None
         self._row = None
 
     def state_dict(self) -> dict[str, Any]:
         # The warm-start vectors too: a resumed fit starts its next row's Lanczos where an
         # uninterrupted one would, so its rows are the same.
         ritz = {} if self._ritz is None else {"ritz": self._ritz.cpu()}
-        return {**self._loss.state_dict(), **ritz}
+        theta = {} if self._theta is None else {"theta": self._theta.cpu()}
+        return {**self._loss.state_dict(), **ritz, **theta}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._loss.load_state_dict(state)
         self._ritz = state.get("ritz")
+        self._theta = state.get("theta")

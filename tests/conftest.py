@@ -200,8 +200,9 @@ def user_view() -> View:
 @pytest.fixture(scope="session")
 def recorded_runs(tmp_path_factory) -> list[Path]:
     """Two tiny fits sharing θ0 and differing in the learning rate, recorded with every
-    standard probe (the Hessian's trace, gradient share and spectral density included), the
-    validation metrics ``val_loss`` and ``val_acc``, and a user's own probe (:class:`HeadNorms`).
+    standard probe (the Hessian's trace, gradient share, spectral density and eigenspace overlap
+    included), the validation metrics ``val_loss`` and ``val_acc``, and a user's own probe
+    (:class:`HeadNorms`).
     """
     folder = tmp_path_factory.mktemp("recorded")
     paths = []
@@ -211,7 +212,14 @@ def recorded_runs(tmp_path_factory) -> list[Path]:
             TrainingLoss(),
             HiddenStateNorms(),
             ParameterDisplacement(),
-            HessianSpectrum(k=2, every_n_steps=4, trace_hvp=8, gradient_share=True, density_runs=2),
+            HessianSpectrum(
+                k=2,
+                every_n_steps=4,
+                trace_hvp=8,
+                gradient_share=True,
+                density_runs=2,
+                eigenspace_overlap=True,
+            ),
             LoggedMetrics(keys=["val_loss", "val_acc"]),
             HeadNorms(),
         ]

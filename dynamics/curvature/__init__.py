@@ -10,6 +10,7 @@ from dynamics.curvature.operator import HessianOperator, LinearOperator
 from dynamics.curvature.power import power_iteration
 from dynamics.curvature.pyhessian_backend import pyhessian_eigenpairs
 from dynamics.curvature.restarted_lanczos import lanczos
+from dynamics.curvature.subspace_tracking import track_eigenpairs
 from dynamics.curvature.top_eigenvalues import top_eigenvalues
 from dynamics.curvature.trace import TraceEstimate, hutch_plus_plus, hutchinson
 
@@ -27,4 +28,5 @@ __all__ = [
     "pyhessian_eigenpairs",
     "spectral_density",
     "top_eigenvalues",
+    "track_eigenpairs",
 ]

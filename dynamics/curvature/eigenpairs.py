@@ -19,6 +19,8 @@ class Eigenpairs:
         n_hvp: Hessian-vector products used.
         converged: whether the stopping rule was met for every pair within the product budget;
             ``None`` when the backend cannot tell (PyHessian).
+        restarted: whether a tracking solve lost its subspace and fell back to a cold start
+            (:func:`~dynamics.curvature.track_eigenpairs`); ``False`` for every other solver.
     """
 
     eigenvalues: torch.Tensor
@@ -26,3 +28,4 @@ class Eigenpairs:
     residuals: torch.Tensor | None
     n_hvp: int
     converged: bool | None
+    restarted: bool = False

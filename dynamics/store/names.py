@@ -130,6 +130,10 @@ HESSIAN_TRACE_STDERR = "trace_stderr"
 HESSIAN_GRADIENT_SHARE = "gradient_share"
 HESSIAN_DENSITY_NODES = "density_nodes"
 HESSIAN_DENSITY_WEIGHTS = "density_weights"
+HESSIAN_OVERLAP = "overlap_previous"  # top-k eigenspace overlap with the previous record
+HESSIAN_UPDATE_SHARE = "update_share"  # share of θt − θs in the top-k eigenspace at s
+HESSIAN_VECTORS = "hessian_vectors"  # top-k Ritz vectors at thinned records, within a budget
+HESSIAN_VECTORS_RITZ = "vectors"  # (k, n) float32
 
 # BiasComponent: decodes of the activation-bias component and the remainder of chosen layers.
 BIAS_COMPONENT = "bias_component"

@@ -42,6 +42,14 @@ STANDARD_VIEWS: dict[str, dict[str, View]] = {
         names.HESSIAN_GRADIENT_SHARE: View(
             "scalar", "Gradient share in the top-k eigenspace", "‖P_k g‖² / ‖g‖²"
         ),
+        names.HESSIAN_OVERLAP: View(
+            "scalar", "Top-k eigenspace overlap with the previous record", "‖V_sᵀ V_t‖²_F / k"
+        ),
+        names.HESSIAN_UPDATE_SHARE: View(
+            "scalar",
+            "Share of the update since the previous record in that record's top-k eigenspace",
+            "‖P_k(θt − θs)‖² / ‖θt − θs‖²",
+        ),
     },
 }
 

@@ -1,0 +1,157 @@
+"""Top-k eigenpairs tracked from an earlier subspace: block Rayleigh–Ritz with residual expansion.
+
+During training the top Hessian eigenvectors move little between two records, so the previous
+record's Ritz vectors are already close to the new ones. Rayleigh–Ritz on their span costs one
+product per vector; each Ritz pair whose residual ``‖H v − θ v‖`` is still too large adds its
+residual direction to the basis (unpreconditioned Davidson — a block Krylov space grown only
+where it is needed), and Rayleigh–Ritz is repeated on the larger basis. Every product of a basis
+vector is kept, so ``H v`` of each Ritz vector, and hence its residual, costs nothing more: the
+residual reported is the true one, up to rounding.
+
+A residual certifies that ``θ`` is within ``‖r‖`` of *some* eigenvalue, not that the pairs are
+the *top* k: an eigenvalue whose eigenvector is orthogonal to everything tracked is invisible
+to the residual test. A cold (random-start) Lanczos can see it; that is why the tracking solver
+restarts cold when its residuals do not converge within its budget (the spectrum changed too
+much to track). Whether tracked pairs are the top k is therefore checked outside, against a
+cold Lanczos at every record (``benchmarks/bench_hessian.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynamics.curvature.eigenpairs import Eigenpairs
+from dynamics.curvature.operator import LinearOperator
+from dynamics.curvature.restarted_lanczos import lanczos
+
+
+def track_eigenpairs(
+    operator: LinearOperator,
+    previous: torch.Tensor,
+    tol: float = 1e-4,
+    *,
+    k: int | None = None,
+    max_basis: int | None = None,
+    max_hvp: int = 500,
+    seed: int = 0,
+) -> Eigenpairs:
+    """The ``len(previous)`` largest eigenpairs, refined from the rows of ``previous``, of which
+    the top ``k`` are held to ``tol``; the rest are guards.
+
+    Guards are what makes tracking a cluster work: the ``k``-th pair converges at a rate set
+    by its gap to the next eigenvalue *outside* the basis, so carrying approximations of the
+    next few eigenvectors along widens that gap.
+
+    Stops when every one of the top ``k`` pairs has ``‖H v − θ v‖ ≤ tol·|θ|`` (the residual rule of
+    :func:`~dynamics.curvature.lanczos`, with the same floor for near-zero eigenvalues). When
+    the basis reaches ``max_basis`` vectors first, the tracked subspace is judged lost and a
+    cold Lanczos from a random vector (``seed``) answers instead, its products counted too.
+
+    Args:
+        operator: symmetric operator.
+        previous: ``(k + guards, n)`` rows, e.g. the eigenvectors of the previous record; need
+            not be orthonormal.
+        tol: relative residual tolerance.
+        k: how many of the pairs must meet ``tol``; defaults to all.
+        max_basis: the most basis vectors before the cold restart; defaults to
+            ``5·len(previous)``.
+        max_hvp: product budget of the cold restart.
+        seed: seed of the cold restart's start vector.
+
+    Returns:
+        The top ``len(previous)`` pairs, largest first, with residuals and the products used
+        (those of the tracking attempt plus, when it failed, the cold restart's, which holds
+        every pair to ``tol``). ``restarted`` on the result tells which; ``converged`` is about
+        the top ``k``.
+    """
+    if previous.ndim != 2 or previous.shape[1] != operator.size:
+        raise ValueError(
+            f"previous must have shape (k, {operator.size}), got {tuple(previous.shape)}"
+        )
+    width = previous.shape[0]
+    k = width if k is None else k
+    if not 1 <= k <= width <= operator.size:
+        raise ValueError(
+            f"need 1 <= k <= len(previous) <= {operator.size}, got k={k}, len(previous)={width}"
+        )
+    if tol <= 0:
+        raise ValueError(f"tol must be positive, got {tol}")
+    max_basis = min(operator.size, max_basis or 5 * width)
+    if max_basis < width:
+        raise ValueError(f"max_basis must be at least len(previous)={width}, got {max_basis}")
+    floor = torch.finfo(operator.dtype).eps ** (2 / 3)
+
+    basis = torch.empty(max_basis, operator.size, dtype=operator.dtype, device=operator.device)
+    images = torch.empty_like(basis)  # H @ basis row by row
+    projected = torch.zeros(max_basis, max_basis, dtype=torch.float64)  # basis H basisᵀ
+    m = 0
+    incoming = previous.to(operator.dtype).to(operator.device)
+    while True:
+        grown, m = m, _extend(operator, basis, images, m, incoming)
+        if m == grown:
+            break  # nothing new to add: the residuals are (numerically) inside the basis
+        # Only the new rows (and, by symmetry, columns): the full product would cost m²·n
+        # flops per round, the new rows b·m·n.
+        new = (basis[grown:m] @ images[:m].T).double().cpu()
+        if not new.isfinite().all():
+            raise FloatingPointError("a Hessian-vector product is not finite")
+        projected[grown:m, :m] = new
+        projected[:m, grown:m] = new.T
+        values, coordinates = torch.linalg.eigh(projected[:m, :m])
+        top = values.argsort(descending=True)[: min(width, m)]
+        mixing = coordinates[:, top].T.to(basis)
+        vectors, products = mixing @ basis[:m], mixing @ images[:m]
+        theta = values[top]
+        residual_vectors = products - theta.to(basis)[:, None] * vectors
+        residuals = torch.linalg.vector_norm(residual_vectors, dim=1).double().cpu()
+        bound = tol * torch.clamp(theta.abs(), min=floor * values.abs().max().item())
+        unconverged = residuals > bound
+        unconverged[k:] = False  # guards are not held to tol, nor expanded
+        if len(top) == width and not unconverged.any():
+            return Eigenpairs(theta, vectors, residuals, m, True)
+        if m == max_basis:
+            break
+        incoming = residual_vectors[unconverged][: max_basis - m]
+
+    cold = lanczos(operator, width, tol, max_hvp=max_hvp, seed=seed)
+    return Eigenpairs(
+        cold.eigenvalues,
+        cold.eigenvectors,
+        cold.residuals,
+        m + cold.n_hvp,
+        cold.converged,
+        restarted=True,
+    )
+
+
+def _extend(
+    operator: LinearOperator,
+    basis: torch.Tensor,
+    images: torch.Tensor,
+    m: int,
+    incoming: torch.Tensor,
+) -> int:
+    """Append the parts of ``incoming`` orthogonal to ``basis[:m]``, orthonormalised, and their
+    products; the new ``m``.
+
+    The block is projected off the basis twice at once (two passes over the basis, not two per
+    vector: one vector at a time took a fifth as long as the products in a profile of a
+    default-config record), then its vectors against each other. A direction that is
+    (numerically) already spanned is dropped: it adds no information and would only amplify
+    rounding.
+    """
+    block = incoming.clone()
+    scale = torch.linalg.vector_norm(block, dim=1)
+    for _ in range(2):
+        block -= (block @ basis[:m].T) @ basis[:m]
+    first = m
+    for vector, norm in zip(block, scale):
+        for _ in range(2):
+            vector -= (basis[first:m] @ vector) @ basis[first:m]
+        left = torch.linalg.vector_norm(vector)
+        if not left > norm * 1e3 * torch.finfo(vector.dtype).eps:
+            continue
+        basis[m] = vector / left
+        images[m] = operator.matvec(basis[m])
+        m += 1
+    return m

@@ -1,0 +1,168 @@
+"""The tracking eigensolver and HessianSpectrum's tracking mode against dense Hessians and the
+cold Lanczos, over a few records of a moving model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynamics.callbacks.hessian_spectrum import HessianSpectrum
+from dynamics.curvature import HessianOperator, lanczos, track_eigenpairs
+from dynamics.params import flatten
+from tests.test_hessian_spectrum import _dense, _tiny, _tiny_loss_of_flat
+
+
+class DenseOperator:
+    """A symmetric matrix as a :class:`~dynamics.curvature.LinearOperator`."""
+
+    def __init__(self, matrix: torch.Tensor) -> None:
+        self.matrix = matrix
+        self.n_hvp = 0
+
+    @property
+    def size(self) -> int:
+        return self.matrix.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.matrix.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.matrix.device
+
+    def matvec(self, vector: torch.Tensor) -> torch.Tensor:
+        self.n_hvp += 1
+        return self.matrix @ vector
+
+
+def _mlp_problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).double()
+    x, y = torch.randn(48, 6, dtype=torch.float64), torch.randn(48, 3, dtype=torch.float64)
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    numels = [p.numel() for p in model.parameters()]
+
+    def loss_of_flat(theta: torch.Tensor) -> torch.Tensor:
+        tensors = dict(zip(names, (c.view(s) for c, s in zip(theta.split(numels), shapes))))
+        return F.mse_loss(torch.func.functional_call(model, tensors, (x,)), y)
+
+    return model, x, y, loss_of_flat
+
+
+def test_tracking_matches_dense_and_cold_over_records_and_costs_fewer_products() -> None:
+    model, x, y, loss_of_flat = _mlp_problem()
+    params = list(model.parameters())
+    previous = None
+    tracked_cost = cold_cost = 0
+    for _ in range(4):
+        operator = HessianOperator(lambda: F.mse_loss(model(x), y), params)
+        cold = lanczos(HessianOperator(lambda: F.mse_loss(model(x), y), params), 3, 1e-8)
+        pairs = (  # the top 3 and two guards
+            lanczos(operator, 5, 1e-8)
+            if previous is None
+            else track_eigenpairs(operator, previous, 1e-6, k=3)
+        )
+        hessian = torch.autograd.functional.hessian(loss_of_flat, flatten(params))
+        exact = torch.linalg.eigvalsh(hessian).flip(0)[:3]
+        top = pairs.eigenvalues[:3]
+        assert ((top - exact).abs() / exact).max() <= 1e-10
+        assert ((top - cold.eigenvalues).abs() / exact).max() <= 1e-10
+        # The reported residual is the true one, recomputed with the dense Hessian.
+        direct = torch.linalg.vector_norm(
+            pairs.eigenvectors @ hessian - pairs.eigenvalues[:, None] * pairs.eigenvectors, dim=1
+        )
+        np.testing.assert_allclose(pairs.residuals, direct, atol=1e-10)
+        assert pairs.converged and operator.n_hvp == pairs.n_hvp
+        if previous is not None:
+            assert not pairs.restarted
+            tracked_cost += pairs.n_hvp
+            cold_cost += cold.n_hvp
+        previous = pairs.eigenvectors
+        with torch.no_grad():  # a training step's worth of movement
+            for p in params:
+                p.add_(1e-4 * torch.randn_like(p))
+    assert tracked_cost < cold_cost
+
+
+def test_an_abrupt_change_of_spectrum_restarts_cold_and_still_finds_the_top() -> None:
+    """The eigenvectors turn to unrelated directions: the tracked ones are far from any."""
+    torch.manual_seed(1)
+    basis = torch.linalg.qr(torch.randn(40, 40, dtype=torch.float64)).Q
+    values = torch.linspace(1.0, 10.0, 40, dtype=torch.float64)
+    before = basis @ torch.diag(values) @ basis.T
+    previous = basis[:, -3:].T  # the top 3 of before
+    turned = torch.linalg.qr(torch.randn(40, 40, dtype=torch.float64)).Q
+    after = DenseOperator(turned @ torch.diag(values) @ turned.T)
+    pairs = track_eigenpairs(after, previous, 1e-8, max_basis=6)
+    assert pairs.restarted and pairs.converged
+    np.testing.assert_allclose(pairs.eigenvalues, values.flip(0)[:3], rtol=1e-8)
+    assert pairs.n_hvp == after.n_hvp
+    # The same subspace for the unchanged matrix: no restart, a single block of products.
+    same = DenseOperator(before)
+    unchanged = track_eigenpairs(same, previous, 1e-8)
+    assert not unchanged.restarted and unchanged.n_hvp == 3
+    np.testing.assert_allclose(unchanged.eigenvalues, values.flip(0)[:3], rtol=1e-12)
+
+
+def test_probe_tracking_mode_rows_match_dense_and_the_cold_mode() -> None:
+    module, batch = _tiny()
+    tracking = HessianSpectrum(k=3, tol=1e-6, batch=batch, solver="tracking")
+    cold = HessianSpectrum(k=3, tol=1e-6, batch=batch, warm_start=False)
+    for probe in (tracking, cold):
+        probe.setup(SimpleNamespace(strategy=None), module, batch)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        row = tracking.measure(module, step)
+        reference = cold.measure(module, step)
+        hessian = _dense(module, _tiny_loss_of_flat(module, [batch]))
+        exact = torch.linalg.eigvalsh(hessian).flip(0)[:3].numpy()
+        np.testing.assert_allclose(row["eigenvalues"], exact, rtol=1e-5)
+        np.testing.assert_allclose(row["eigenvalues"], reference["eigenvalues"], rtol=1e-5)
+        vectors = tracking._ritz[:3]  # the top 3; two guards follow
+        direct = torch.linalg.vector_norm(
+            vectors @ hessian - torch.from_numpy(row["eigenvalues"]).double()[:, None] * vectors,
+            dim=1,
+        )
+        # The stored bound is the residual of the stored (float32) eigenvalue's pair.
+        np.testing.assert_allclose(row["residuals"], direct, atol=1e-5 * exact[0])
+        if step:
+            assert row["n_hvp"] < reference["n_hvp"]
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1e-4 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+
+
+def test_bad_tracking_arguments_get_one_clear_error() -> None:
+    operator = DenseOperator(torch.eye(5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="previous must have shape"):
+        track_eigenpairs(operator, torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="max_basis"):
+        track_eigenpairs(operator, torch.ones(2, 5, dtype=torch.float64), max_basis=1)
+    with pytest.raises(ValueError, match="solver"):
+        HessianSpectrum(solver="arnoldi")
+
+
+def test_a_resumed_tracking_probe_continues_as_an_uninterrupted_one() -> None:
+    module, batch = _tiny()
+    first, resumed = (
+        HessianSpectrum(k=2, tol=1e-4, batch=batch, solver="tracking", eigenspace_overlap=True)
+        for _ in range(2)
+    )
+    first.setup(SimpleNamespace(strategy=None), module, batch)
+    first.measure(module, 0)
+    resumed.load_state_dict(first.state_dict())
+    resumed.setup(SimpleNamespace(strategy=None), module, batch)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1e-3)
+    expected, row = first.measure(module, 1), resumed.measure(module, 1)
+    assert row.keys() == expected.keys()
+    for name in row:
+        np.testing.assert_array_equal(row[name], expected[name])
