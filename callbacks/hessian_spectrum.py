@@ -265,7 +265,9 @@ class HessianSpectrum(Probe):
         return {names.float_bits(self.name): np.array([torch.finfo(self.dtype).bits], np.int8)}
 
     def settings(self) -> dict[str, Any]:
-        return self._loss.settings()
+        # The solver decides how a row was measured (tracking rows may miss a new sharp
+        # direction a cold Lanczos would find), so a reader of the file must see it.
+        return {**self._loss.settings(), "solver": self.solver, "tol": self.tol}
 
     def on_step_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int

@@ -120,7 +120,12 @@ def test_series_declared_match_the_rows() -> None:
         assert np.shape(row[name]) == spec.shape, name
     assert probe.vectors()["hessian_float_bits"].shape == (1,)
     np.testing.assert_array_equal(probe.initial_vectors()["hessian_float_bits"], [64])
-    assert probe.settings() == {"mode": "eval", "loss": "training_step"}
+    assert probe.settings() == {
+        "mode": "eval",
+        "loss": "training_step",
+        "solver": "lanczos",
+        "tol": probe.tol,
+    }
 
 
 def test_declarations_before_setup_are_well_defined() -> None:
@@ -128,7 +133,7 @@ def test_declarations_before_setup_are_well_defined() -> None:
     assert set(probe.series()["hessian"]) >= {"eigenvalues", "trace"}
     assert set(probe.vectors()) == {"hessian_float_bits"}
     assert probe.initial_vectors() == {}  # the precision is the module's, known at setup
-    assert probe.settings() == {"mode": "eval", "loss": None}
+    assert probe.settings() == {"mode": "eval", "loss": None, "solver": "lanczos", "tol": 1e-4}
 
 
 def test_probe_agrees_with_top_eigenvalues_on_the_module_loss() -> None:
@@ -282,7 +287,12 @@ def test_recording_leaves_training_bit_identical_and_fills_the_run_file(
     recorded = fit(DynamicsRecorder(tmp_path / "run.h5", probes=[probe]))
     assert torch.equal(recorded, fit(None))
     (stored,) = open_run(tmp_path / "run.h5").attrs["probes"]
-    assert stored["settings"] == {"mode": mode, "loss": "training_step"}
+    assert stored["settings"] == {
+        "mode": mode,
+        "loss": "training_step",
+        "solver": "lanczos",
+        "tol": probe.tol,
+    }
     with h5py.File(tmp_path / "run.h5", "r") as file:
         group = file["series/hessian"]
         assert list(group["step"][:]) == [0, 2, 4]

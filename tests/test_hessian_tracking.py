@@ -117,6 +117,9 @@ def test_probe_tracking_mode_rows_match_dense_and_the_cold_mode() -> None:
     cold = HessianSpectrum(k=3, tol=1e-6, batch=batch, warm_start=False)
     for probe in (tracking, cold):
         probe.setup(SimpleNamespace(strategy=None), module, batch)
+    # The run file says which solver measured the rows.
+    assert tracking.settings()["solver"] == "tracking"
+    assert cold.settings()["solver"] == "lanczos"
     generator = torch.Generator().manual_seed(0)
     for step in range(3):
         row = tracking.measure(module, step)
