@@ -32,7 +32,7 @@ from dynamics.callbacks import (
 )
 from dynamics.experiments.char_gpt import CharGPTModule, StdlibTextData
 from dynamics.experiments.config import load_config
-from dynamics.experiments.runner import _quiet_lightning
+from dynamics.experiments.runner import quiet_lightning
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"
@@ -121,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     _, config = load_config(CONFIG, steps=args.steps)
     torch.set_num_threads(config.threads)
-    _quiet_lightning()
+    quiet_lightning()
     chosen = workloads(config)
     if args.workload != "both":
         chosen = {args.workload: chosen[args.workload]}

@@ -321,14 +321,19 @@ class HiddenStateNorms(Probe):
         return _Axis(-1, _ASSUMED)
 
     def _norm_hook(self, layer: str, axis: _Axis):
+        checked: torch.Size | None = None  # the last output shape found right for the axis
+
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            nonlocal checked
             if not self._armed or in_extra_pass():  # not a probe's own extra forward
                 return
             hidden = _first_tensor(output)
-            problem = _axis_problem(hidden, output, axis)
-            if problem:
-                self._problems.setdefault(layer, problem)
-                return
+            if hidden is None or hidden.shape != checked:
+                problem = _axis_problem(hidden, output, axis)
+                if problem:
+                    self._problems.setdefault(layer, problem)
+                    return
+                checked = hidden.shape
             if axis.rule == _ASSUMED and hidden.dim() >= 3 and layer not in self._warned:
                 self._warned.add(layer)
                 rank_zero_warn(
@@ -473,8 +478,10 @@ def _means(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torc
     # Rows stay on the device; the writer copies a whole block to the host at once.
     device = next((v[0].device for v in values.values() if v), torch.device("cpu"))
     nan = torch.full((), float("nan"), device=device)
-    # sum/len rather than stack+mean: one op for the usual single call per step.
-    return torch.stack([sum(values[k]) / len(values[k]) if values[k] else nan for k in layers])
+    # The usual step calls each layer once: its value as it is, no op but the stack.
+    return torch.stack(
+        [(v[0] if len(v) == 1 else sum(v) / len(v)) if (v := values[k]) else nan for k in layers]
+    )
 
 
 def _strings(values: Sequence[str] | None, argument: str) -> tuple[str, ...]:

@@ -152,7 +152,17 @@ class RecorderBase:
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(path=str(self.path))
+        # Lightning reads it at every hook call (to name the hook in its profiler): built once.
+        return self._state_key
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @path.setter
+    def path(self, path: str | os.PathLike) -> None:
+        self._path = Path(path)
+        self._state_key = self._generate_state_key(path=str(self._path))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Before the sanity check, so that a run that cannot be recorded costs nothing.
