@@ -476,12 +476,15 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 def _means(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torch.Tensor:
     # A layer not called in this step (a branch not taken) reads NaN rather than a made-up 0.
     # Rows stay on the device; the writer copies a whole block to the host at once.
-    device = next((v[0].device for v in values.values() if v), torch.device("cpu"))
-    nan = torch.full((), float("nan"), device=device)
     # The usual step calls each layer once: its value as it is, no op but the stack.
-    return torch.stack(
-        [(v[0] if len(v) == 1 else sum(v) / len(v)) if (v := values[k]) else nan for k in layers]
-    )
+    means = [
+        (v[0] if len(v) == 1 else sum(v) / len(v)) if (v := values[k]) else None for k in layers
+    ]
+    if any(m is None for m in means):  # `None in` would compare tensors with ==
+        device = next((m.device for m in means if m is not None), torch.device("cpu"))
+        nan = torch.full((), float("nan"), device=device)
+        means = [nan if m is None else m for m in means]
+    return torch.stack(means)
 
 
 def _strings(values: Sequence[str] | None, argument: str) -> tuple[str, ...]:
