@@ -4,12 +4,15 @@ Two workloads: the default teacher–student config's unshifted student, and a s
 transformer (``dynamics.experiments.char_gpt``: 2 blocks, width 64, SDPA attention, 120k
 parameters, batch 32 × 64 bytes). Each is trained with the recorder (training loss,
 hidden-state norms and activation bias, displacement every step, snapshots within the budget)
-and without it, alternating, in one process; prints the median wall-time ratio and the
-recorder's peak extra memory as a multiple of the model's parameter bytes. With ``--hessian``
-the curvature probe (top-5 every 50 steps) is timed too.
+and without it in alternating pairs, in one process; prints, per variant, the wall-time ratio
+recorded/bare of each pair as "median (min–max) over N pairs", and the recorder's peak extra
+memory as a multiple of the model's parameter bytes. ``--unit-health`` also times
+HiddenStateNorms(unit_health=True) every step; ``--hessian`` the curvature probe (top-5 every 50
+steps). Wall times on a shared machine are noisy: quote the median of many pairs with the
+machine's load (``uptime``) beside it.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 3]
-        [--workload teacher-student|char-gpt|both]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 7]
+        [--workload teacher-student|char-gpt|both] [--unit-health] [--hessian]
 """
 
 from __future__ import annotations
@@ -49,12 +52,17 @@ class HeldBytes(pl.Callback):
         self.peak = max(self.peak, _held(self.recorder, own, set()))
 
 
-def _held(obj, own: set[int], seen: set[int]) -> int:
+def _held(obj, own: set[int], seen: set) -> int:
     if id(obj) in seen or isinstance(obj, (pl.Trainer, torch.nn.Module)):
         return 0
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        return 0 if obj.data_ptr() in own else obj.untyped_storage().nbytes()
+        # Views of one buffer (a flat vector's per-tensor views) hold its bytes once.
+        storage = ("storage", obj.untyped_storage().data_ptr())
+        if obj.data_ptr() in own or storage in seen:
+            return 0
+        seen.add(storage)
+        return obj.untyped_storage().nbytes()
     if isinstance(obj, np.ndarray):
         return obj.nbytes
     if isinstance(obj, dict):
@@ -113,7 +121,11 @@ def train(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="default: the config's steps")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7, help="alternating pairs per variant")
+    parser.add_argument("--unit-health", action="store_true", help="also time unit health")
+    parser.add_argument(
+        "--every-10", action="store_true", help="also time the probes every 10 steps"
+    )
     parser.add_argument("--hessian", action="store_true", help="also time HessianSpectrum")
     parser.add_argument(
         "--workload", choices=("teacher-student", "char-gpt", "both"), default="both"
@@ -127,10 +139,10 @@ def main() -> None:
         chosen = {args.workload: chosen[args.workload]}
     for name, workload in chosen.items():
         print(f"== {name}", flush=True)
-        measure(workload, config.steps, args.reps, args.hessian)
+        measure(workload, config.steps, args.reps, args)
 
 
-def measure(workload: tuple, steps: int, reps: int, hessian: bool) -> None:
+def measure(workload: tuple, steps: int, reps: int, options: argparse.Namespace) -> None:
     """Alternate bare and recorded fits of one workload; print ratios and memory."""
 
     variants = {
@@ -139,13 +151,20 @@ def measure(workload: tuple, steps: int, reps: int, hessian: bool) -> None:
             HiddenStateNorms(),
             ParameterDisplacement(snapshot_budget_mb=32),
         ],
-        "recorder, the same probes every 10 steps": lambda: [
+    }
+    if options.unit_health:
+        variants["recorder with unit health (dead, saturated, non-finite) every step"] = lambda: [
+            TrainingLoss(),
+            HiddenStateNorms(unit_health=True),
+            ParameterDisplacement(snapshot_budget_mb=32),
+        ]
+    if options.every_10:
+        variants["recorder, the same probes every 10 steps"] = lambda: [
             TrainingLoss(10),
             HiddenStateNorms(every_n_steps=10),
             ParameterDisplacement(10, snapshot_budget_mb=32),
-        ],
-    }
-    if hessian:
+        ]
+    if options.hessian:
         from dynamics.callbacks import HessianSpectrum
 
         variants["HessianSpectrum alone (top-5 every 50 steps)"] = lambda: [
@@ -177,8 +196,8 @@ def measure(workload: tuple, steps: int, reps: int, hessian: bool) -> None:
     )
     for name in variants:
         print(
-            f"{name}: wall-time ratio {statistics.median(ratios[name]):.3f}x "
-            f"(median of {reps}; range {min(ratios[name]):.3f}-{max(ratios[name]):.3f}); "
+            f"{name}: wall-time ratio median {statistics.median(ratios[name]):.3f}x "
+            f"({min(ratios[name]):.3f}–{max(ratios[name]):.3f}) over {reps} pairs; "
             f"peak extra memory {peaks[name] / param_bytes:.2f}x parameter bytes"
         )
 
