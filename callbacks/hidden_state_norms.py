@@ -198,7 +198,7 @@ class HiddenStateNorms(Probe):
         self._norms: dict[str, list[torch.Tensor]] = {}
         self._biases: dict[str, list[torch.Tensor]] = {}
         self._problems: dict[str, str] = {}
-        self._warned: set[str] = set()
+        self._warned: set[str | tuple[str, str]] = set()  # layers (and units) warned about
         self._step = 0  # the due step whose forward the hooks see
         self._armed = False
 
@@ -404,8 +404,10 @@ class HiddenStateNorms(Probe):
             if hidden.dim() < 2
             else _axis_problem(hidden, hidden, axis)
         )
-        if problem:  # NaN for this step, not a fraction over the wrong axis
-            self.note(self._step, f"unit health of {layer}: {problem}")
+        if problem:  # NaN, not a fraction over the wrong axis; one event per layer
+            if ("units", layer) not in self._warned:
+                self._warned.add(("units", layer))
+                self.note(self._step, f"unit health of {layer}: {problem}; recorded NaN")
             return
         self._units[layer].append(unit_fraction(hidden, self.unit_kinds[layer], axis.dim))
 

@@ -179,3 +179,26 @@ def test_fractions_match_direct_evaluation_on_a_random_batch():
     assert unit_fraction(y, kind, -1).item() == expected.item() == pytest.approx(1 / 6)
     y[3, 1, 4] = float("nan")
     assert nonfinite_fraction(y).item() == pytest.approx(1 / y.numel(), rel=1e-6)
+
+
+class Unplaced(Net):
+    """Its activation is registered first (no module before it fixes the unit axis) and sees
+    3-D outputs: its dead fraction is not measured."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.ReLU(), DEAD_WEIGHT, DEAD_BIAS)
+        activation = self.act
+        del self.act
+        self._modules = {"act": activation, **self._modules}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)[:, None, :].expand(-1, 2, -1))).mean(1)
+
+
+def test_a_unit_axis_nothing_fixes_records_nan_with_one_warning_event(tmp_path, quiet_trainer):
+    run = record(tmp_path, quiet_trainer, Unplaced())
+    health = run.series(names.UNIT_HEALTH)
+    assert np.isnan(health[names.UNIT_DEAD]).all()
+    np.testing.assert_array_equal(health[names.UNIT_NONFINITE], np.zeros((3, 3)))
+    events = [e for e in run.events() if "unit health of act" in e.message]
+    assert len(events) == 1 and "2-D" in events[0].message
