@@ -40,7 +40,6 @@ STANDARD_GROUPS = (
     names.VALIDATION,
     names.HIDDEN_NORMS,
     names.ACTIVATION_BIAS,
-    names.UNIT_HEALTH,
     names.DISPLACEMENT,
     names.HESSIAN,
     names.PLANE,

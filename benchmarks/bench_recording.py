@@ -9,7 +9,8 @@ recorded/bare of each pair as "median (min–max) over N pairs", and the recorde
 memory as a multiple of the model's parameter bytes. ``--unit-health`` also times
 HiddenStateNorms(unit_health=True) every step; ``--hessian`` the curvature probe (top-5 every 50
 steps). Wall times on a shared machine are noisy: quote the median of many pairs with the
-machine's load (``uptime``) beside it.
+machine's load (``uptime``) beside it; the process's CPU-time ratio, printed beside, is far
+less sensitive to other processes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 7]
         [--workload teacher-student|char-gpt|both] [--unit-health] [--hessian]
@@ -91,8 +92,9 @@ def workloads(config) -> dict[str, tuple]:
 
 def train(
     workload: tuple, steps: int, probes, folder: Path, meter_memory: bool = False
-) -> tuple[float, int, int]:
-    """Wall time of one fit, and (when metered, an untimed run) the recorder's peak bytes."""
+) -> tuple[tuple[float, float], int, int]:
+    """Wall and CPU time of one fit, and (when metered, an untimed run) the recorder's peak
+    bytes."""
     make_module, make_data = workload
     module, data = make_module(), make_data()
     callbacks: list[pl.Callback] = []
@@ -113,9 +115,9 @@ def train(
         enable_model_summary=False,
         accelerator="cpu",
     )
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.fit(module, data)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start, time.process_time() - cpu
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     return elapsed, (meter.peak if meter else 0), param_bytes
 
@@ -174,6 +176,7 @@ def measure(workload: tuple, steps: int, reps: int, options: argparse.Namespace)
         ]
     times: dict[str, list[float]] = {"bare": [], **{name: [] for name in variants}}
     ratios: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_ratios: dict[str, list[float]] = {name: [] for name in variants}
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as folder:
         train(workload, steps, None, Path(folder))  # warm-up: imports, allocator, first-call costs
@@ -185,13 +188,14 @@ def measure(workload: tuple, steps: int, reps: int, options: argparse.Namespace)
             )
         for rep in range(reps):
             bare, _, _ = train(workload, steps, None, Path(folder))
-            times["bare"].append(bare)
+            times["bare"].append(bare[0])
             for name, probes in variants.items():
                 elapsed, _, _ = train(workload, steps, probes(), Path(folder))
-                times[name].append(elapsed)
-                ratios[name].append(elapsed / bare)
+                times[name].append(elapsed[0])
+                ratios[name].append(elapsed[0] / bare[0])
+                cpu_ratios[name].append(elapsed[1] / bare[1])
             print(
-                f"rep {rep + 1}/{reps}: bare {bare:.1f} s, "
+                f"rep {rep + 1}/{reps}: bare {bare[0]:.1f} s, "
                 + ", ".join(f"{times[n][-1]:.1f} s" for n in variants),
                 flush=True,
             )
@@ -202,6 +206,8 @@ def measure(workload: tuple, steps: int, reps: int, options: argparse.Namespace)
         print(
             f"{name}: wall-time ratio median {statistics.median(ratios[name]):.3f}x "
             f"({min(ratios[name]):.3f}–{max(ratios[name]):.3f}) over {reps} pairs; "
+            f"CPU-time ratio median {statistics.median(cpu_ratios[name]):.3f}x "
+            f"({min(cpu_ratios[name]):.3f}–{max(cpu_ratios[name]):.3f}); "
             f"peak extra memory {peaks[name] / param_bytes:.2f}x parameter bytes"
         )
 
