@@ -4,12 +4,16 @@ Two workloads: the default teacher–student config's unshifted student, and a s
 transformer (``dynamics.experiments.char_gpt``: 2 blocks, width 64, SDPA attention, 120k
 parameters, batch 32 × 64 bytes). Each is trained with the recorder (training loss,
 hidden-state norms and activation bias, displacement every step, snapshots within the budget)
-and without it, alternating, in one process; prints the median wall-time ratio and the
-recorder's peak extra memory as a multiple of the model's parameter bytes. With ``--hessian``
-the curvature probe (top-5 every 50 steps) is timed too.
+and without it in alternating pairs, in one process; prints, per variant, the wall-time ratio
+recorded/bare of each pair as "median (min–max) over N pairs", and the recorder's peak extra
+memory as a multiple of the model's parameter bytes. ``--unit-health`` also times
+HiddenStateNorms(unit_health=True) every step; ``--hessian`` the curvature probe (top-5 every 50
+steps). Wall times on a shared machine are noisy: quote the median of many pairs with the
+machine's load (``uptime``) beside it; the process's CPU-time ratio, printed beside, is far
+less sensitive to other processes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 3]
-        [--workload teacher-student|char-gpt|both]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 7]
+        [--workload teacher-student|char-gpt|both] [--unit-health] [--hessian]
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from dynamics.callbacks import (
 )
 from dynamics.experiments.char_gpt import CharGPTModule, StdlibTextData
 from dynamics.experiments.config import load_config
-from dynamics.experiments.runner import _quiet_lightning
+from dynamics.experiments.runner import quiet_lightning
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"
+#: Steps of the untimed fit that meters the recorder's memory.
+METERED_STEPS = 300
 
 
 class HeldBytes(pl.Callback):
@@ -49,12 +55,17 @@ class HeldBytes(pl.Callback):
         self.peak = max(self.peak, _held(self.recorder, own, set()))
 
 
-def _held(obj, own: set[int], seen: set[int]) -> int:
+def _held(obj, own: set[int], seen: set) -> int:
     if id(obj) in seen or isinstance(obj, (pl.Trainer, torch.nn.Module)):
         return 0
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        return 0 if obj.data_ptr() in own else obj.untyped_storage().nbytes()
+        # Views of one buffer (a flat vector's per-tensor views) hold its bytes once.
+        storage = ("storage", obj.untyped_storage().data_ptr())
+        if obj.data_ptr() in own or storage in seen:
+            return 0
+        seen.add(storage)
+        return obj.untyped_storage().nbytes()
     if isinstance(obj, np.ndarray):
         return obj.nbytes
     if isinstance(obj, dict):
@@ -81,8 +92,9 @@ def workloads(config) -> dict[str, tuple]:
 
 def train(
     workload: tuple, steps: int, probes, folder: Path, meter_memory: bool = False
-) -> tuple[float, int, int]:
-    """Wall time of one fit, and (when metered, an untimed run) the recorder's peak bytes."""
+) -> tuple[tuple[float, float], int, int]:
+    """Wall and CPU time of one fit, and (when metered, an untimed run) the recorder's peak
+    bytes."""
     make_module, make_data = workload
     module, data = make_module(), make_data()
     callbacks: list[pl.Callback] = []
@@ -103,9 +115,9 @@ def train(
         enable_model_summary=False,
         accelerator="cpu",
     )
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.fit(module, data)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start, time.process_time() - cpu
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     return elapsed, (meter.peak if meter else 0), param_bytes
 
@@ -113,7 +125,11 @@ def train(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="default: the config's steps")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7, help="alternating pairs per variant")
+    parser.add_argument("--unit-health", action="store_true", help="also time unit health")
+    parser.add_argument(
+        "--every-10", action="store_true", help="also time the probes every 10 steps"
+    )
     parser.add_argument("--hessian", action="store_true", help="also time HessianSpectrum")
     parser.add_argument(
         "--workload", choices=("teacher-student", "char-gpt", "both"), default="both"
@@ -121,16 +137,16 @@ def main() -> None:
     args = parser.parse_args()
     _, config = load_config(CONFIG, steps=args.steps)
     torch.set_num_threads(config.threads)
-    _quiet_lightning()
+    quiet_lightning()
     chosen = workloads(config)
     if args.workload != "both":
         chosen = {args.workload: chosen[args.workload]}
     for name, workload in chosen.items():
         print(f"== {name}", flush=True)
-        measure(workload, config.steps, args.reps, args.hessian)
+        measure(workload, config.steps, args.reps, args)
 
 
-def measure(workload: tuple, steps: int, reps: int, hessian: bool) -> None:
+def measure(workload: tuple, steps: int, reps: int, options: argparse.Namespace) -> None:
     """Alternate bare and recorded fits of one workload; print ratios and memory."""
 
     variants = {
@@ -139,13 +155,20 @@ def measure(workload: tuple, steps: int, reps: int, hessian: bool) -> None:
             HiddenStateNorms(),
             ParameterDisplacement(snapshot_budget_mb=32),
         ],
-        "recorder, the same probes every 10 steps": lambda: [
+    }
+    if options.unit_health:
+        variants["recorder with unit health (dead, saturated, non-finite) every step"] = lambda: [
+            TrainingLoss(),
+            HiddenStateNorms(unit_health=True),
+            ParameterDisplacement(snapshot_budget_mb=32),
+        ]
+    if options.every_10:
+        variants["recorder, the same probes every 10 steps"] = lambda: [
             TrainingLoss(10),
             HiddenStateNorms(every_n_steps=10),
             ParameterDisplacement(10, snapshot_budget_mb=32),
-        ],
-    }
-    if hessian:
+        ]
+    if options.hessian:
         from dynamics.callbacks import HessianSpectrum
 
         variants["HessianSpectrum alone (top-5 every 50 steps)"] = lambda: [
@@ -153,22 +176,26 @@ def measure(workload: tuple, steps: int, reps: int, hessian: bool) -> None:
         ]
     times: dict[str, list[float]] = {"bare": [], **{name: [] for name in variants}}
     ratios: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_ratios: dict[str, list[float]] = {name: [] for name in variants}
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as folder:
         train(workload, steps, None, Path(folder))  # warm-up: imports, allocator, first-call costs
         for name, probes in variants.items():
+            # Walking the recorder's objects each step is slow: metered on a shorter fit, which
+            # passes through the same states (blocks filling, snapshots pending).
             _, peaks[name], param_bytes = train(
-                workload, steps, probes(), Path(folder), meter_memory=True
+                workload, min(steps, METERED_STEPS), probes(), Path(folder), meter_memory=True
             )
         for rep in range(reps):
             bare, _, _ = train(workload, steps, None, Path(folder))
-            times["bare"].append(bare)
+            times["bare"].append(bare[0])
             for name, probes in variants.items():
                 elapsed, _, _ = train(workload, steps, probes(), Path(folder))
-                times[name].append(elapsed)
-                ratios[name].append(elapsed / bare)
+                times[name].append(elapsed[0])
+                ratios[name].append(elapsed[0] / bare[0])
+                cpu_ratios[name].append(elapsed[1] / bare[1])
             print(
-                f"rep {rep + 1}/{reps}: bare {bare:.1f} s, "
+                f"rep {rep + 1}/{reps}: bare {bare[0]:.1f} s, "
                 + ", ".join(f"{times[n][-1]:.1f} s" for n in variants),
                 flush=True,
             )
@@ -177,8 +204,10 @@ def measure(workload: tuple, steps: int, reps: int, hessian: bool) -> None:
     )
     for name in variants:
         print(
-            f"{name}: wall-time ratio {statistics.median(ratios[name]):.3f}x "
-            f"(median of {reps}; range {min(ratios[name]):.3f}-{max(ratios[name]):.3f}); "
+            f"{name}: wall-time ratio median {statistics.median(ratios[name]):.3f}x "
+            f"({min(ratios[name]):.3f}–{max(ratios[name]):.3f}) over {reps} pairs; "
+            f"CPU-time ratio median {statistics.median(cpu_ratios[name]):.3f}x "
+            f"({min(cpu_ratios[name]):.3f}–{max(cpu_ratios[name]):.3f}); "
             f"peak extra memory {peaks[name] / param_bytes:.2f}x parameter bytes"
         )
 

@@ -18,6 +18,14 @@ from torch.nn.modules.conv import _ConvNd
 
 from dynamics.activations import ACTIVATIONS, ShiftedActivation
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec
+from dynamics.callbacks.unit_health import (
+    DEAD,
+    UnitKind,
+    nonfinite_fraction,
+    unit_fraction,
+    unit_kind,
+)
+from dynamics.callbacks.unit_health import VIEWS as UNIT_VIEWS
 from dynamics.isolation import in_extra_pass
 from dynamics.name_globs import glob_any, glob_match, matched
 from dynamics.store import names
@@ -61,6 +69,7 @@ FEATURES_LAST: tuple[type[nn.Module], ...] = (
 )
 
 _ASSUMED = "unknown kind: last axis assumed"
+_TWO_D_ONLY = "no module fixes it: measured on 2-D outputs (batch, units) only"
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,18 @@ class HiddenStateNorms(Probe):
     module to hook and are not seen. Which modules were found, and the classes of all the
     modules looked at, are stored in the run file and printed once at setup.
 
+    **Unit health** (``unit_health=True``): per activation module, the fraction of its units
+    that were dead (the ReLU family: at the flat value for every sample) or saturated
+    (sigmoid/tanh: within 1e-3 of a bound for every sample) over the step's batch, and per
+    recorded output (layers and activation modules) the fraction of non-finite values; see
+    :mod:`dynamics.callbacks.unit_health` for which activations have which (GELU and the other
+    activations without an exact flat region have neither). A unit is one entry along the
+    activation's feature axis, over the batch and every other axis: the axis of
+    ``feature_dims``/``feature_dim``, else a ``ShiftedActivation``'s ``dim``, else that of the
+    last module of a known kind registered before it in its parent (a Linear before it: the last
+    axis; a BatchNorm2d: axis 1), else the last axis of 2-D outputs only (other outputs record
+    NaN, with a warning event). Off by default: it costs a few device ops per hooked call.
+
     A pattern or type that matches nothing makes :meth:`setup` raise :class:`ProbeUnavailable`
     with the pattern in its message, so the probe steps aside rather than record the wrong layers.
 
@@ -134,6 +155,7 @@ class HiddenStateNorms(Probe):
         activations: record the activation bias of the built-in activation classes.
         activation_types: further module classes whose output is a post-activation.
         activation_modules: name patterns of further activation modules.
+        unit_health: also record dead, saturated and non-finite fractions.
         every_n_steps: recording period in optimizer steps.
     """
 
@@ -148,6 +170,7 @@ class HiddenStateNorms(Probe):
         activations: bool = True,
         activation_types: Sequence[type[nn.Module]] | None = None,
         activation_modules: Sequence[str] | None = None,
+        unit_health: bool = False,
         every_n_steps: int = 1,
     ) -> None:
         super().__init__(every_n_steps)
@@ -162,15 +185,21 @@ class HiddenStateNorms(Probe):
         self.activations = activations
         self.activation_types = _module_classes(activation_types, "activation_types")
         self.activation_patterns = _strings(activation_modules, "activation_modules")
+        self.unit_health = unit_health
         # What setup found; empty until then, so series() and settings() are defined before it.
         self.layers: tuple[str, ...] = ()
         self.activation_layers: tuple[str, ...] = ()
+        self.unit_kinds: dict[str, UnitKind] = {}  # activation modules with dead/saturated units
+        self._unit_axes: dict[str, _Axis] = {}
+        self._units: dict[str, list[torch.Tensor]] = {}
+        self._nonfinite: dict[str, list[torch.Tensor]] = {}
         self._report: dict[str, Any] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._norms: dict[str, list[torch.Tensor]] = {}
         self._biases: dict[str, list[torch.Tensor]] = {}
         self._problems: dict[str, str] = {}
-        self._warned: set[str] = set()
+        self._warned: set[str | tuple[str, str]] = set()  # layers (and units) warned about
+        self._step = 0  # the due step whose forward the hooks see
         self._armed = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -181,6 +210,7 @@ class HiddenStateNorms(Probe):
         """
         self.teardown()
         self.layers, self.activation_layers, self._report = (), (), {}
+        self.unit_kinds, self._unit_axes = {}, {}
         named = {n: m for n, m in pl_module.named_modules() if n}
         layers = _choose_modules(named, self.patterns, self.types)
         activation_layers = tuple(
@@ -206,7 +236,7 @@ class HiddenStateNorms(Probe):
             *(
                 f"feature_dims pattern {p!r} (no recorded module)"
                 for p in self.feature_dims
-                if not matched(p, layers)
+                if not matched(p, layers + (activation_layers if self.unit_health else ()))
             ),
         ]
         if unmatched:
@@ -222,6 +252,11 @@ class HiddenStateNorms(Probe):
         for layer in layers:
             hook = self._norm_hook(layer, axes[layer])
             self._handles.append(named[layer].register_forward_hook(hook))
+        if self.unit_health:
+            self.unit_kinds = {
+                n: kind for n in activation_layers if (kind := unit_kind(named[n])) is not None
+            }
+            self._unit_axes = {n: self._unit_axis(n, named, pl_module) for n in self.unit_kinds}
         for layer in activation_layers:
             self._handles.append(named[layer].register_forward_hook(self._bias_hook(layer)))
         self.layers, self.activation_layers = layers, activation_layers
@@ -231,6 +266,9 @@ class HiddenStateNorms(Probe):
                 for n, a in axes.items()
             },
             "found": {n: type(named[n]).__name__ for n in activation_layers},
+            "unit_axes": {
+                n: {"feature_dim": a.dim, "rule": a.rule} for n, a in self._unit_axes.items()
+            },
             "looked_at": dict(Counter(type(m).__name__ for m in named.values()).most_common()),
         }
         self._announce_activations(len(named))
@@ -251,6 +289,16 @@ class HiddenStateNorms(Probe):
             groups[names.ACTIVATION_BIAS] = {
                 names.ACTIVATION_MEAN: SeriesSpec((n,), columns=self.activation_layers, view=bias)
             }
+        if self.unit_health:
+            groups[names.UNIT_HEALTH] = {
+                series: SeriesSpec(
+                    (len(columns),),
+                    columns=columns,
+                    view=UNIT_VIEWS[series],
+                )
+                for series, columns in self._health_columns().items()
+                if columns
+            }
         return groups
 
     def settings(self) -> dict[str, Any]:
@@ -268,12 +316,22 @@ class HiddenStateNorms(Probe):
                 "found": self._report.get("found", {}),
                 "looked_at": self._report.get("looked_at", {}),
             },
+            "unit_health": {
+                "enabled": self.unit_health,
+                "kinds": {n: k.describe() for n, k in self.unit_kinds.items()},
+                "unit_axes": self._report.get("unit_axes", {}),
+                "not_reported": "activations without an exact flat region (GELU, SiLU, ...)",
+            },
         }
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
         self._norms = {layer: [] for layer in self.layers}
         self._biases = {layer: [] for layer in self.activation_layers}
+        if self.unit_health:
+            self._units = {layer: [] for layer in self.unit_kinds}
+            self._nonfinite = {layer: [] for layer in self._recorded_outputs()}
         self._problems = {}
+        self._step = step
         self._armed = True
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
@@ -295,7 +353,63 @@ class HiddenStateNorms(Probe):
         if self.activation_layers:
             biases = _means(self._biases, self.activation_layers)
             rows[names.ACTIVATION_BIAS] = {names.ACTIVATION_MEAN: biases}
+        if self.unit_health:
+            values = {
+                names.UNIT_NONFINITE: self._nonfinite,
+                **dict.fromkeys((names.UNIT_DEAD, names.UNIT_SATURATED), self._units),
+            }
+            rows[names.UNIT_HEALTH] = {
+                series: _means(values[series], columns)
+                for series, columns in self._health_columns().items()
+                if columns
+            }
         return rows
+
+    def _recorded_outputs(self) -> tuple[str, ...]:
+        return self.layers + tuple(n for n in self.activation_layers if n not in self.layers)
+
+    def _health_columns(self) -> dict[str, tuple[str, ...]]:
+        kinds = self.unit_kinds
+        return {
+            names.UNIT_DEAD: tuple(n for n, k in kinds.items() if k.kind == DEAD),
+            names.UNIT_SATURATED: tuple(n for n, k in kinds.items() if k.kind != DEAD),
+            names.UNIT_NONFINITE: self._recorded_outputs(),
+        }
+
+    def _unit_axis(self, name: str, named: Mapping[str, nn.Module], root: nn.Module) -> _Axis:
+        """The axis along which an activation module's output holds its units."""
+        module = named[name]
+        pattern = next((p for p in self.feature_dims if glob_match(name, p)), None)
+        if pattern is not None:
+            return _Axis(self.feature_dims[pattern], f"feature_dims[{pattern!r}]")
+        if self.feature_dim is not None:
+            return _Axis(self.feature_dim, "feature_dim")
+        if isinstance(module, ShiftedActivation):
+            return _Axis(module.dim, "ShiftedActivation dim")
+        parent_name, _, own = name.rpartition(".")
+        siblings = list((named[parent_name] if parent_name else root).named_children())
+        before = [m for _, m in siblings[: [n for n, _ in siblings].index(own)]]
+        known = [m for m in before if kind_dim(m) is not None]
+        if known:
+            last = known[-1]
+            return _Axis(kind_dim(last), f"module before it ({type(last).__name__})", last)
+        return _Axis(-1, _TWO_D_ONLY)
+
+    def _record_units(self, layer: str, hidden: torch.Tensor) -> None:
+        axis = self._unit_axes[layer]
+        problem = (
+            f"output of shape {tuple(hidden.shape)}: its unit axis {_TWO_D_ONLY}"
+            if axis.rule == _TWO_D_ONLY and hidden.dim() != 2
+            else "output has no batch axis"
+            if hidden.dim() < 2
+            else _axis_problem(hidden, hidden, axis)
+        )
+        if problem:  # NaN, not a fraction over the wrong axis; one event per layer
+            if ("units", layer) not in self._warned:
+                self._warned.add(("units", layer))
+                self.note(self._step, f"unit health of {layer}: {problem}; recorded NaN")
+            return
+        self._units[layer].append(unit_fraction(hidden, self.unit_kinds[layer], axis.dim))
 
     def teardown(self) -> None:
         for handle in self._handles:
@@ -321,14 +435,19 @@ class HiddenStateNorms(Probe):
         return _Axis(-1, _ASSUMED)
 
     def _norm_hook(self, layer: str, axis: _Axis):
+        checked: torch.Size | None = None  # the last output shape found right for the axis
+
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            nonlocal checked
             if not self._armed or in_extra_pass():  # not a probe's own extra forward
                 return
             hidden = _first_tensor(output)
-            problem = _axis_problem(hidden, output, axis)
-            if problem:
-                self._problems.setdefault(layer, problem)
-                return
+            if hidden is None or hidden.shape != checked:
+                problem = _axis_problem(hidden, output, axis)
+                if problem:
+                    self._problems.setdefault(layer, problem)
+                    return
+                checked = hidden.shape
             if axis.rule == _ASSUMED and hidden.dim() >= 3 and layer not in self._warned:
                 self._warned.add(layer)
                 rank_zero_warn(
@@ -338,8 +457,11 @@ class HiddenStateNorms(Probe):
                     "elsewhere."
                 )
             # Detached device tensors only: no .item(), so no host sync in the hot path.
-            norms = torch.linalg.vector_norm(hidden.detach(), dim=axis.dim, dtype=torch.float32)
+            hidden = hidden.detach()
+            norms = torch.linalg.vector_norm(hidden, dim=axis.dim, dtype=torch.float32)
             self._norms[layer].append(norms.mean())
+            if self.unit_health:
+                self._nonfinite[layer].append(nonfinite_fraction(hidden))
 
         return hook
 
@@ -351,7 +473,13 @@ class HiddenStateNorms(Probe):
             if hidden is None:
                 self._problems.setdefault(layer, f"outputs a {type(output).__name__}, no tensor")
                 return
-            self._biases[layer].append(hidden.detach().mean(dtype=torch.float32))
+            hidden = hidden.detach()
+            self._biases[layer].append(hidden.mean(dtype=torch.float32))
+            if self.unit_health:
+                if layer not in self._norms:  # else its norm hook counted it
+                    self._nonfinite[layer].append(nonfinite_fraction(hidden))
+                if layer in self._units:
+                    self._record_units(layer, hidden)
 
         return hook
 
@@ -471,10 +599,15 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 def _means(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torch.Tensor:
     # A layer not called in this step (a branch not taken) reads NaN rather than a made-up 0.
     # Rows stay on the device; the writer copies a whole block to the host at once.
-    device = next((v[0].device for v in values.values() if v), torch.device("cpu"))
-    nan = torch.full((), float("nan"), device=device)
-    # sum/len rather than stack+mean: one op for the usual single call per step.
-    return torch.stack([sum(values[k]) / len(values[k]) if values[k] else nan for k in layers])
+    # The usual step calls each layer once: its value as it is, no op but the stack.
+    means = [
+        (v[0] if len(v) == 1 else sum(v) / len(v)) if (v := values[k]) else None for k in layers
+    ]
+    if any(m is None for m in means):  # `None in` would compare tensors with ==
+        device = next((m.device for m in means if m is not None), torch.device("cpu"))
+        nan = torch.full((), float("nan"), device=device)
+        means = [nan if m is None else m for m in means]
+    return torch.stack(means)
 
 
 def _strings(values: Sequence[str] | None, argument: str) -> tuple[str, ...]:

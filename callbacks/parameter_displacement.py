@@ -75,7 +75,13 @@ class ParameterDisplacement(Probe):
         self._params: list[torch.Tensor] = []
         self._theta0: torch.Tensor | None = None
         self._buffers0: dict[str, torch.Tensor] | None = None  # {stored dtype: flat buffers}
-        self._before: torch.Tensor | None = None  # θ_step, copied before a due step
+        # θ_step, copied before a due step into one buffer preallocated at setup, and its
+        # per-tensor views; the difference from θ0 goes to a second preallocated buffer.
+        self._before: torch.Tensor | None = None
+        self._before_views: list[torch.Tensor] = []
+        self._difference: torch.Tensor | None = None
+        self._difference_views: list[torch.Tensor] = []
+        self._copied = False  # whether _before holds this step's θ_step
         self._buffers_before: dict[str, torch.Tensor] = {}  # its buffers, on snapshot steps
 
     def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -85,11 +91,16 @@ class ParameterDisplacement(Probe):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self.layout = ParameterLayout.of(pl_module)
         self.buffer_layout = BufferLayout.of(pl_module)
-        self._params = self.layout.parameters(pl_module)
+        # Detached views of the parameters: the optimizer's in-place updates show through.
+        self._params = [p.detach() for p in self.layout.parameters(pl_module)]
         if self._theta0 is None:  # a resumed fit restored θ0 from the checkpoint
             self._theta0 = parameter_vector(pl_module, self.layout)
             self._buffers0 = self.buffer_layout.vectors(pl_module)
         self._theta0 = self._theta0.to(self._params[0].device)
+        self._before = torch.empty_like(self._theta0)
+        self._difference = torch.empty_like(self._theta0)
+        self._before_views = self.layout.split(self._before)
+        self._difference_views = self.layout.split(self._difference)
         steps = trainer.estimated_stepping_batches
         # Lightning answers -1 (max_steps' default) for an iterable dataset of unknown length.
         self._expected_steps = steps if 0 < steps < math.inf else math.inf
@@ -163,33 +174,36 @@ class ParameterDisplacement(Probe):
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
         if trainer.is_global_zero:  # only rank 0 writes, and the ranks' parameters agree
-            self._before = self._flat_parameters()
+            # One foreach copy into the preallocated buffer's views: no concatenation, no
+            # allocation per step.
+            torch._foreach_copy_(self._before_views, self._params)
+            self._copied = True
             if self._snapshot_due(step):
                 self._buffers_before = self.buffer_layout.vectors(pl_module)
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
-        if self._before is None:
+        if not self._copied:
             return {}
-        before, self._before = self._before, None
+        self._copied = False
         rows: Rows = {}
         if self._snapshot_due(step):
             buffers, self._buffers_before = self._buffers_before, {}
             rows[names.SNAPSHOTS] = {
-                names.SNAPSHOT_THETA: before,
+                names.SNAPSHOT_THETA: self._before.clone(),  # the buffer is reused next step
                 **{names.buffer_vector(names.SNAPSHOT_BUFFERS, d): b for d, b in buffers.items()},
             }
         if super().is_due(step):
-            # Flat vectors and one foreach kernel: a handful of ops per step, not a few per
-            # parameter tensor (measured 0.2 ms vs 0.6 ms for index_add_ on the default model).
-            per_tensor = torch.stack(
-                torch._foreach_norm((before - self._theta0).split(self.layout.numels))
-            )
+            # θ_step − θ0 in one flat op, then one norm per tensor over its view; then
+            # θ_step − θ_step+1 in place, per tensor, and one norm of the whole buffer. Each
+            # value is the same float as from flat copies of θ (the same elements reduced in
+            # the same order), without concatenating the parameters twice a step.
+            torch.sub(self._before, self._theta0, out=self._difference)
+            per_tensor = torch.stack(torch._foreach_norm(self._difference_views))
+            torch._foreach_sub_(self._before_views, self._params)
             rows[names.DISPLACEMENT] = {
                 names.DISPLACEMENT_TOTAL: torch.linalg.vector_norm(per_tensor),
                 names.DISPLACEMENT_PER_TENSOR: per_tensor,
-                names.DISPLACEMENT_UPDATE: torch.linalg.vector_norm(
-                    self._flat_parameters() - before
-                ),
+                names.DISPLACEMENT_UPDATE: torch.linalg.vector_norm(self._before),
             }
         return rows
 
@@ -201,7 +215,7 @@ class ParameterDisplacement(Probe):
         }
 
     def teardown(self) -> None:
-        self._before = None
+        self._copied = False
         self._buffers_before = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -219,7 +233,7 @@ class ParameterDisplacement(Probe):
         self._buffers0 = state.get("buffers0")
 
     def _flat_parameters(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self._params])
+        return torch.cat([p.reshape(-1) for p in self._params])
 
     def _snapshot_due(self, step: int) -> bool:
         return bool(self.snapshot_period) and step % self.snapshot_period == 0

@@ -152,7 +152,17 @@ class RecorderBase:
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(path=str(self.path))
+        # Lightning reads it at every hook call (to name the hook in its profiler): built once.
+        return self._state_key
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @path.setter
+    def path(self, path: str | os.PathLike) -> None:
+        self._path = Path(path)
+        self._state_key = self._generate_state_key(path=str(self._path))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Before the sanity check, so that a run that cannot be recorded costs nothing.
@@ -411,10 +421,9 @@ class RecorderBase:
                     f"rows of {group!r} hold {sorted(values)}, but {sorted(declared)} were declared"
                 )
             for name, value in values.items():
-                if tuple(np.shape(value)) != declared[name].shape:
+                if _shape(value) != declared[name].shape:
                     raise ValueError(
-                        f"{group}/{name} has shape {tuple(np.shape(value))}, "
-                        f"declared {declared[name].shape}"
+                        f"{group}/{name} has shape {_shape(value)}, declared {declared[name].shape}"
                     )
         return rows
 
@@ -572,6 +581,13 @@ def _edit_settings(edits: list[dict[str, Any]]) -> str:
         )
         or "nothing"
     )
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """A row value's shape; read from tensors directly (``np.shape`` costs a dispatch per row)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return tuple(value.shape)
+    return np.shape(value)
 
 
 def _default_probes() -> list[Probe]:

@@ -52,7 +52,7 @@ class TrainingLoss(Probe):
     def on_micro_batch_end(self, trainer, pl_module, batch, outputs, step) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
-            if pl_module.automatic_optimization:
+            if pl_module.automatic_optimization and trainer.accumulate_grad_batches != 1:
                 # Lightning divides what training_step returned by the accumulation count.
                 loss = loss * trainer.accumulate_grad_batches
         else:
@@ -61,7 +61,9 @@ class TrainingLoss(Probe):
             self._losses.append(loss.detach().float().reshape(()))
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
-        if self._losses:
+        if len(self._losses) == 1:  # the usual step: no op on the device
+            loss = self._losses[0]
+        elif self._losses:
             loss = torch.stack(self._losses).mean()
         else:
             self._note_once(

@@ -51,6 +51,7 @@ class LogsValidation(BoringModel):
         TrainingLoss(),
         ParameterDisplacement(snapshot_every_n_steps=1),
         HiddenStateNorms(),
+        HiddenStateNorms(unit_health=True),
         HessianSpectrum(k=2, every_n_steps=2),
         GradientPlane(),
     ],

@@ -241,3 +241,37 @@ def test_a_validation_metric_never_logged_is_nan_with_one_warning_event(tmp_path
     validation = run.series("validation")
     assert np.isfinite(validation["val_loss"]).all() and np.isnan(validation["val_accuracy"]).all()
     assert [(e.step, e.kind) for e in run.events()] == [(2, "warning")]
+
+
+def test_buffered_rows_equal_direct_evaluation_at_every_step(tmp_path, quiet_trainer):
+    """Displacement from per-tensor foreach ops on preallocated buffers, and hidden norms, equal
+    what a direct evaluation on the stored snapshots gives (to float32 rounding, 1e-6)."""
+    module, data = tiny_teacher_student()
+    path = tmp_path / "direct.h5"
+    probes = [HiddenStateNorms(), ParameterDisplacement(snapshot_every_n_steps=1)]
+    quiet_trainer(max_steps=5, callbacks=[DynamicsRecorder(path, probes)]).fit(module, data)
+    run = open_run(path)
+    theta0 = torch.from_numpy(run.vector("theta0"))
+    snapshots = torch.from_numpy(run.series("snapshots")["theta"])
+    thetas = torch.cat([snapshots, torch.from_numpy(run.vector("theta_final"))[None]])
+    displacement = run.series("displacement")
+    numels = run.layout.numels
+    for step, theta in enumerate(snapshots):
+        direct = torch.stack([d.norm() for d in (theta - theta0).split(numels)])
+        np.testing.assert_allclose(displacement["per_tensor"][step], direct, rtol=1e-6)
+        assert displacement["total"][step] == pytest.approx(direct.norm().item(), rel=1e-6)
+        update = (thetas[step + 1] - theta).norm().item()
+        assert displacement["update"][step] == pytest.approx(update, rel=1e-6)
+    # Hidden norms of each step's forward: θ_step on that step's batch, evaluated directly.
+    fresh, fresh_data = tiny_teacher_student()
+    layout = ParameterLayout.of(fresh)
+    norms = run.series("hidden_norms")["norm"]
+    for step, (theta, (x, _)) in enumerate(zip(snapshots, fresh_data.train_dataloader())):
+        for p, chunk in zip(layout.parameters(fresh), layout.split(theta)):
+            p.data.copy_(chunk)
+        h, direct = x, []
+        with torch.no_grad():
+            for block in fresh.student.blocks:
+                h = block(h)
+                direct.append(h.norm(dim=-1).mean().item())
+        np.testing.assert_allclose(norms[step], direct, rtol=1e-6)

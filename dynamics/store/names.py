@@ -110,6 +110,12 @@ HIDDEN_NORM = "norm"
 ACTIVATION_BIAS = "activation_bias"
 ACTIVATION_MEAN = "mean"
 
+# HiddenStateNorms(unit_health=True): fractions per activation module / recorded output.
+UNIT_HEALTH = "unit_health"
+UNIT_DEAD = "dead"  # units at the ReLU family's flat value for every sample
+UNIT_SATURATED = "saturated"  # units within 1e-3 of a sigmoid/tanh bound for every sample
+UNIT_NONFINITE = "nonfinite"  # NaN and ±inf entries
+
 DISPLACEMENT = "displacement"
 DISPLACEMENT_TOTAL = "total"
 DISPLACEMENT_PER_TENSOR = "per_tensor"
