@@ -25,7 +25,7 @@ import torch
 
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, LossChangeSplit
-from dynamics.experiments.runner import _quiet_lightning
+from dynamics.experiments.runner import quiet_lightning
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
 
 
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    _quiet_lightning()
+    quiet_lightning()
     print(
         f"{'activation':<10} {'step ms':>8} {'record ms':>9} {'ratio':>6} {'grads':>6} {'met':>5}"
     )
