@@ -157,7 +157,10 @@ def _results_table(results: Sequence[ClaimResult], experiments: dict[str, Any]) 
         stat = result.statistic
         seeds = "—"
         if stat is not None:
-            seeds = ", ".join(f"{s}: {v:.4g}" for s, v in zip(stat.seeds, stat.values))
+            seeds = ", ".join(
+                f"{s}: {v:.4g}" + (f" ({result.details[s]})" if s in result.details else "")
+                for s, v in zip(stat.seeds, stat.values)
+            )
             seeds = "; ".join(filter(None, [seeds, *stat.missing])) or "—"
         record = experiments.get(result.claim.experiment)
         how = "—" if record is None else f"{record.config}: {record.command}"

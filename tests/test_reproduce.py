@@ -21,6 +21,8 @@ from dynamics.analysis.claims import (
     ORTHOGONAL_COSINE,
     PARTLY,
     REPRODUCED,
+    TRANSIENT_FALL,
+    TRANSIENT_PEAK,
     VERDICT_RULE,
     Sample,
     verdict,
@@ -233,3 +235,18 @@ def test_an_existing_run_is_refused_before_anything_trains(tmp_path, capsys):
     argv += ["--only", ONLY, "--steps", "2", "--seeds", "0-1"]
     refused_in_process(argv, capsys, "seed1.h5 exists; pass --overwrite")
     assert files_under(tmp_path / "out") == {"autoencoder/shifted/seed1.h5": b"mine"}
+
+
+def test_the_transient_use_of_the_bias_component_and_its_verdict(reproduced):
+    folder, _ = reproduced
+    falls, holds = [], []
+    for seed in SEEDS:
+        with run_file(folder, "autoencoder", "unshifted", seed) as file:
+            corr = file["series/bias_component/bias_corr_target"][()][:, 0]
+        peak, final = corr.max(), corr[-1]
+        falls.append(peak - final)
+        holds.append(peak >= TRANSIENT_PEAK and final <= TRANSIENT_FALL * peak)
+    claim = claims(folder)["transient-use"]
+    np.testing.assert_allclose(claim["statistic"]["values"], falls, rtol=1e-6)
+    assert claim["verdict"] == rule(holds)
+    assert claim["details"]["0"].startswith("peak ")
