@@ -44,7 +44,7 @@ class ExperimentRecord:
         config: the config file it was run from.
         command: the ``dynamics run`` command that trains the same runs.
         seeds: the seeds.
-        steps: optimizer steps per run.
+        steps: optimizer steps per run (None: not run).
         status: ``"run"``, ``"not run (...)"`` or ``"failed: ..."``.
         comparison: the grouped comparison page, relative to the report, or None.
         wall_s: seconds its runs and comparison took.
@@ -54,7 +54,7 @@ class ExperimentRecord:
     config: str
     command: str
     seeds: tuple[int, ...]
-    steps: int
+    steps: int | None
     status: str
     comparison: str | None = None
     wall_s: float | None = None
@@ -182,7 +182,7 @@ def _experiments_table(experiments: Sequence[ExperimentRecord]) -> str:
                 e.key,
                 e.config,
                 ", ".join(map(str, e.seeds)),
-                str(e.steps),
+                "—" if e.steps is None else str(e.steps),
                 e.status,
                 "—" if e.wall_s is None else _duration(e.wall_s),
                 e.command,

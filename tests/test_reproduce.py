@@ -169,6 +169,10 @@ def test_claims_of_experiments_left_out_are_not_run(reproduced):
         else:
             assert claim["verdict"] != NOT_RUN, key
     assert not (folder / "out" / "char_gpt").exists()
+    experiments = json.loads((folder / "out" / "reproduce.json").read_text())["experiments"]
+    left_out = {e["key"]: e for e in experiments if e["status"].startswith("not run")}
+    assert sorted(left_out) == ["char_gpt", "vit_digits"]
+    assert all(e["steps"] is None and e["comparison"] is None for e in left_out.values())
     line = next(x for x in result.stdout.splitlines() if x.startswith("gpt-bpc"))
     assert "not run (left out by --only)" in line
 

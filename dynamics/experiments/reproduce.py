@@ -171,7 +171,7 @@ def reproduce(
             str(Path(configs) / s.config),
             command,
             s.seeds,
-            0,
+            None,
             "not run (left out by --only)",
         )
         for s in plan
