@@ -44,7 +44,8 @@ class Stage:
 
 
 #: The full reproduction: every config at its defaults; 5 seeds of the controlled experiment,
-#: 3 of the others (about 15 min of CPU on 2 idle cores with --jobs 2, measured per config).
+#: 3 of the others (about 20 min with --jobs 2 on 2 idle cores, estimated from short timed runs
+#: of each config; the whole has not been timed on an idle machine).
 FULL = (
     Stage("teacher_student", "teacher_student.yaml", (0, 1, 2, 3, 4)),
     Stage("autoencoder", "autoencoder.yaml", (0, 1, 2)),
