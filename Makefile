@@ -8,8 +8,9 @@ TORCH ?= torch==2.13.0
 # Small models run fastest on one thread; several threads per process thrash a shared machine.
 export OMP_NUM_THREADS ?= 1
 DEMO_OUT ?= runs/demo
+REPRODUCE_OUT ?= runs/reproduce
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo reproduce test lint format bench clean
 
 $(BIN)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,6 +24,11 @@ demo: $(BIN)/.installed
 	$(BIN)/dynamics plane $(DEMO_OUT)/unshifted.h5 $(DEMO_OUT)/shifted.h5 -o $(DEMO_OUT)/plane.html --overwrite --no-progress
 	$(BIN)/dynamics compare $(DEMO_OUT)/unshifted.h5 $(DEMO_OUT)/shifted.h5 -o $(DEMO_OUT)/compare.html --overwrite
 	@echo "Results: $(DEMO_OUT)/compare.html (side by side), $(DEMO_OUT)/plane.html (gradient plane), run files $(DEMO_OUT)/*.h5"
+
+# The paper's experiments over seeds and the report of its claims (runs/reproduce/reproduce.html);
+# `dynamics reproduce --quick` is the few-minute version.
+reproduce: $(BIN)/.installed
+	$(BIN)/dynamics reproduce --out $(REPRODUCE_OUT) --overwrite
 
 test: $(BIN)/.installed
 	$(BIN)/pytest

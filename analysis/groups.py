@@ -51,6 +51,7 @@ __all__ = [
     "directory_groups",
     "is_group_directory",
     "load_groups",
+    "overtaking_step",
     "parse_group",
 ]
 
@@ -210,7 +211,7 @@ def compare_groups(groups: Sequence[Group]) -> list[GroupComparison]:
                 f"step {group.name} overtakes {reference.name}",
                 VALUE,
                 pairs,
-                functools.partial(_overtaken, names=names),
+                functools.partial(overtaking_step, names=names),
             ),
             _measure(f"λ1 ratio, {group.name} / {reference.name}", RATIO, pairs, _lambda_ratio),
         ]
@@ -275,7 +276,9 @@ def _best(a: Run, b: Run) -> float | str:
     return curves if isinstance(curves, str) else float(curves[1].min() - curves[0].min())
 
 
-def _overtaken(a: Run, b: Run, names: tuple[str, str]) -> float | str:
+def overtaking_step(a: Run, b: Run, names: tuple[str, str]) -> float | str:
+    """The step after which ``b`` (named ``names[1]``) stays ahead of ``a`` on the compared
+    loss, or why there is none (``a`` ahead at the end, ``b`` ahead throughout)."""
     result = loss_crossover(a, b, names)
     if result is None:
         return "no overlapping loss"

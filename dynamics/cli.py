@@ -46,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dynamics`` console script."""
     parser = _build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, as reports show it
     stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
     try:
         code = args.handler(args)
@@ -136,6 +137,43 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="replace existing run files")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=_run)
+
+    reproduce = commands.add_parser(
+        "reproduce",
+        help="the paper's experiments over seeds, compared, with a report of its claims",
+    )
+    reproduce.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 seeds and fewer steps per experiment (minutes, not half an hour)",
+    )
+    reproduce.add_argument(
+        "--out", type=Path, default=Path("runs/reproduce"), help="default: runs/reproduce"
+    )
+    reproduce.add_argument(
+        "--jobs", type=int, help="runs at a time, each in its own process (default: the cores)"
+    )
+    reproduce.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    reproduce.add_argument(
+        "--configs",
+        type=Path,
+        default=Path("configs"),
+        help="folder of the configs (default: configs)",
+    )
+    reproduce.add_argument(
+        "--only",
+        metavar="NAME,...",
+        help="run only these experiments (teacher_student, autoencoder, char_gpt, vit_digits); "
+        "the others' claims are 'not run'",
+    )
+    reproduce.add_argument(
+        "--steps",
+        type=int,
+        help="every experiment trains this many steps, evaluating 10 times (a smoke test)",
+    )
+    reproduce.add_argument("--seeds", metavar="0-4|0,2,3", help="every experiment's seeds")
+    reproduce.add_argument("--no-progress", action="store_true", help="no line per run")
+    reproduce.set_defaults(handler=_reproduce)
 
     info = commands.add_parser("info", help="summarize a run file")
     info.add_argument("run", type=Path)
@@ -357,7 +395,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_seeds(args: argparse.Namespace, experiment: Any, config: Any) -> int:
-    from dynamics.experiments.seed_runs import FIGURES, SPREAD, run_seeds
+    from dynamics.experiments.seed_runs import SPREAD, run_seeds
 
     group = run_seeds(experiment, config, args.out, args.overwrite, args.jobs, not args.no_progress)
     summary = group.summary
@@ -365,7 +403,7 @@ def _run_seeds(args: argparse.Namespace, experiment: Any, config: Any) -> int:
     print(f"{experiment.name}: {len(seeds)} seeds ({', '.join(map(str, seeds))}); {SPREAD}")
     rows = []
     for variant, entry in summary["variants"].items():
-        for key, label in FIGURES.items():
+        for key, label in summary["figures"].items():
             stats = entry["figures"][key]
             rows.append(
                 (
@@ -379,6 +417,12 @@ def _run_seeds(args: argparse.Namespace, experiment: Any, config: Any) -> int:
             )
     header = ("variant", experiment.setting, "figure", "mean ± std", "min–max")
     _print_table((*header, *(f"seed {s}" for s in seeds)), rows)
+    for variant, entry in summary["crossover"].items():
+        per_seed = [_number(entry["per_seed"].get(str(s))) for s in seeds]
+        print(
+            f"{variant} overtakes {entry['baseline']} on held-out loss for good at step "
+            f"{_mean_std(entry)} (per seed: {', '.join(per_seed)})"
+        )
     print(f"wrote {group.summary_path}; runs in {args.out}/<variant>/seed<k>.h5")
     if group.failures:
         raise DynamicsError(
@@ -386,6 +430,48 @@ def _run_seeds(args: argparse.Namespace, experiment: Any, config: Any) -> int:
             "(one line each above); the other runs' files are kept"
         )
     print("the variants of each seed share θ0 (checked by hash)")
+    return 0
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    import shlex
+
+    from dynamics.analysis.reproduction_page import CLAIMS_HEADER, claim_rows
+    from dynamics.experiments.config import parse_seeds
+    from dynamics.experiments.reproduce import reproduce
+    from dynamics.experiments.seed_runs import available_cores
+
+    _check_range("--steps", args.steps, 1, _INT64_MAX)
+    cores = available_cores()
+    if args.jobs is not None and not 1 <= args.jobs <= cores:
+        raise DynamicsError(
+            f"--jobs must be from 1 to this machine's {cores} cores, got {args.jobs}"
+        )
+    seeds = None if args.seeds is None else parse_seeds(args.seeds, "--seeds")
+    only = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    if only is not None and not only:
+        raise DynamicsError("--only needs at least one experiment name")
+    result = reproduce(
+        args.out,
+        quick=args.quick,
+        jobs=args.jobs,
+        overwrite=args.overwrite,
+        configs=args.configs,
+        only=only,
+        steps=args.steps,
+        seeds=seeds,
+        command=shlex.join(["dynamics", *args.argv]),
+        progress=not args.no_progress,
+    )
+    _print_table(CLAIMS_HEADER, claim_rows(result.claims))
+    minutes, seconds = divmod(round(result.wall_s), 60)
+    print(f"wall time {minutes} min {seconds} s")
+    print(f"wrote {result.written.path} and {result.json_path}")
+    if result.failures:
+        raise DynamicsError(
+            f"{len(result.failures)} runs failed (one line each above); their experiments' "
+            "claims are 'not run', the other runs' files are kept"
+        )
     return 0
 
 

@@ -256,3 +256,53 @@ def test_a_failed_run_is_one_line_and_the_others_are_kept(tmp_path, capsys, monk
     assert {(f["variant"], f["seed"]) for f in summary["failed"]} == failed
     assert summary["variants"]["fast"]["figures"]["final_train_loss"]["n"] == 2
     assert "1" not in summary["variants"]["fast"]["runs"]
+
+
+def test_summary_holds_the_crossover_step_of_the_grouped_compare(groups):
+    folder, results = groups
+    summary = json.loads((folder / "parallel" / "summary.json").read_text())
+    compared = run_dynamics("compare", folder / "parallel", "--json")
+    assert compared.returncode == 0, compared.stderr
+    statistics = json.loads(compared.stdout)["comparisons"][0]["statistics"]
+    overtakes = next(s for s in statistics if s["measure"].startswith("step shifted overtakes"))
+    crossover = summary["crossover"]["shifted"]
+    assert crossover["baseline"] == "unshifted" and list(summary["crossover"]) == ["shifted"]
+    assert {int(s): v for s, v in crossover["per_seed"].items()} == dict(
+        zip(overtakes["seeds"], overtakes["values"])
+    )
+    assert [f"seed {s}: {why}" for s, why in crossover["not_measured"].items()] == overtakes[
+        "missing"
+    ]
+    assert "overtakes unshifted on held-out loss for good at step" in results["parallel"].stdout
+
+
+def test_validation_metrics_join_the_summary_and_the_table(tmp_path):
+    config = {
+        "experiment": "vit_digits",
+        "steps": 6,
+        "eval_every": 2,
+        "model": {"width": 16, "depth": 1, "heads": 2},
+        "data": {"batch_size": 16},
+        "record": {"hessian_top_k": 0, "snapshot_budget_mb": 1},
+    }
+    (tmp_path / "vit.yaml").write_text(yaml.safe_dump(config))
+    result = run_dynamics(
+        "run", tmp_path / "vit.yaml", "--out", tmp_path / "out", "--seeds", "0-1", "--no-progress"
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["figures"]["final_val_acc"] == "final val_acc"
+    for variant in ("unshifted", "adaptive"):
+        figure = summary["variants"][variant]["figures"]["final_val_acc"]
+        accuracies = []
+        for seed in (0, 1):
+            with h5py.File(tmp_path / "out" / variant / f"seed{seed}.h5", "r") as file:
+                accuracies.append(float(file["series/validation/val_acc"][-1]))
+        assert [figure["per_seed"][s] for s in ("0", "1")] == accuracies
+        row = next(
+            line
+            for line in result.stdout.splitlines()
+            if line.startswith(variant) and "final val_acc" in line
+        )
+        assert f"{accuracies[0]:.5g}" in row
+    assert "val_loss" not in "".join(summary["figures"])  # the held-out loss is listed once

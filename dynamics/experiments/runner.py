@@ -6,7 +6,7 @@ import contextlib
 import logging
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,8 @@ class VariantResult:
 
     Attributes:
         setting: what tells this variant apart (see :attr:`Experiment.setting`).
+        final_validation: the last finite value of each validation metric besides the
+            held-out loss (``val_bpc``, ``val_acc``); NaN for one that never had one.
     """
 
     name: str
@@ -40,6 +42,7 @@ class VariantResult:
     best_heldout_loss: float
     best_heldout_step: int | None
     theta0_sha256: str
+    final_validation: dict[str, float] = field(default_factory=dict)
 
 
 def run_experiment(
@@ -160,6 +163,11 @@ def _train_variant(
         best_heldout_loss=best[0],
         best_heldout_step=best[1],
         theta0_sha256=run.theta0_sha256,
+        final_validation={
+            key: _last_finite(metric)
+            for key, metric in run.validation_metrics().items()
+            if heldout is None or key != heldout.name
+        },
     )
 
 
@@ -185,6 +193,11 @@ def trainer_for(
         enable_progress_bar=progress,
         deterministic=True,
     )
+
+
+def _last_finite(metric: Metric) -> float:
+    finite = metric.values[np.isfinite(metric.values)]
+    return float(finite[-1]) if len(finite) else math.nan
 
 
 def _best(heldout: Metric | None) -> tuple[float, int | None]:

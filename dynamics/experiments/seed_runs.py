@@ -32,11 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from dynamics.analysis.groups import overtaking_step
 from dynamics.errors import DynamicsError
 from dynamics.experiments import runner
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.registry import Built, Experiment, Recording
-from dynamics.store import RunLock
+from dynamics.store import RunLock, open_run
 
 #: The summary written beside the runs.
 SUMMARY = "summary.json"
@@ -117,10 +118,8 @@ def run_seeds(
         jobs = max(1, min(len(runs), cores // config.threads))
     if not 1 <= jobs <= cores:
         raise DynamicsError(f"--jobs must be from 1 to this machine's {cores} cores, got {jobs}")
-    paths = {run: run_path(out_dir, *run) for run in runs}
+    paths = check_outputs(experiment, config, out_dir, overwrite)
     summary_path = out_dir / SUMMARY
-    _check_outputs([*paths.values(), summary_path], overwrite)
-    _check_group_folders(out_dir, variants, set(paths.values()))
     new_folders = [f for f in (*(out_dir / v for v in variants), out_dir, *out_dir.parents)]
     new_folders = [f for f in dict.fromkeys(new_folders) if not f.exists()]
     locks: dict[tuple[str, int], RunLock] = {}
@@ -156,6 +155,23 @@ def run_seeds(
     summary = summarize(experiment, config, results, failures, out_dir)
     _write_json(summary_path, summary)
     return GroupResult(results, failures, summary, summary_path)
+
+
+def check_outputs(
+    experiment: Experiment, config: ExperimentConfig, out_dir: Path, overwrite: bool
+) -> dict[tuple[str, int], Path]:
+    """The run files of every (variant, seed) of ``config`` in ``out_dir``, checked as
+    :func:`run_seeds` checks them before anything trains.
+
+    Raises:
+        DynamicsError: a run file or the summary exists and ``overwrite`` is false, or a
+            variant folder holds a seed file outside ``config.seeds``.
+    """
+    variants = list(experiment.variants(config))
+    paths = {(v, s): run_path(out_dir, v, s) for s in config.seeds or () for v in variants}
+    _check_outputs([*paths.values(), out_dir / SUMMARY], overwrite)
+    _check_group_folders(out_dir, variants, set(paths.values()))
+    return paths
 
 
 def seed_config(config: ExperimentConfig, seed: int) -> ExperimentConfig:
@@ -357,7 +373,13 @@ def summarize(
 ) -> dict[str, Any]:
     """The group's summary, as :data:`SUMMARY` holds it: per variant and figure the value of
     every seed and their mean, standard deviation, min and max over the seeds that finished
-    (runs that failed are listed under ``failed`` and count in no figure)."""
+    (runs that failed are listed under ``failed`` and count in no figure); the figures are
+    :data:`FIGURES` and the last value of each other validation metric (``final val_bpc``);
+    and per variant besides the baseline, the step of each seed where it overtakes the
+    baseline for good (:func:`crossover_steps`)."""
+    figures = dict(FIGURES)
+    for key in sorted({k for r in results.values() for k in r.final_validation}):
+        figures[f"final_{key}"] = f"final {key}"
     variants = {}
     for variant, setting in experiment.variants(config).items():
         mine = {s: results[variant, s] for s in config.seeds if (variant, s) in results}
@@ -365,7 +387,7 @@ def summarize(
             "setting": setting,
             "runs": {str(s): f"{variant}/seed{s}.h5" for s in mine},
             "figures": {
-                key: _stats({s: getattr(r, key) for s, r in mine.items()}) for key in FIGURES
+                key: _stats({s: _figure(r, key) for s, r in mine.items()}) for key in figures
             },
             "theta0_sha256": {str(s): r.theta0_sha256 for s, r in mine.items()},
         }
@@ -374,12 +396,50 @@ def summarize(
         "setting": experiment.setting,
         "seeds": list(config.seeds),
         "spread": SPREAD,
-        "figures": FIGURES,
+        "figures": figures,
         "config": {**_without_seed(config.to_dict()), "seeds": list(config.seeds)},
         "out": str(out_dir),
         "variants": variants,
+        "crossover": crossover_steps(experiment.variants(config), results),
         "failed": [dataclasses.asdict(f) for f in failures],
     }
+
+
+def _figure(result: runner.VariantResult, key: str) -> float | None:
+    if key in FIGURES:
+        return getattr(result, key)
+    return result.final_validation.get(key.removeprefix("final_"))
+
+
+def crossover_steps(
+    variants: dict[str, object], results: dict[tuple[str, int], runner.VariantResult]
+) -> dict[str, Any]:
+    """Per variant besides the baseline (the one whose setting is ``none``, else the first),
+    the step of each seed after which it stays ahead of the baseline on held-out loss (the
+    grouped compare's "overtakes", :func:`dynamics.analysis.groups.overtaking_step`), with
+    their statistics; a seed without one says why."""
+    names = list(variants)
+    baseline = next((n for n in names if variants[n] == "none"), names[0])
+    crossover = {}
+    for variant in names:
+        if variant == baseline:
+            continue
+        steps, why = {}, {}
+        for (name, seed), result in sorted(results.items(), key=lambda item: item[0][1]):
+            if name != variant or (baseline, seed) not in results:
+                continue
+            a, b = open_run(results[baseline, seed].path), open_run(result.path)
+            step = overtaking_step(a, b, (baseline, variant))
+            if isinstance(step, str):
+                why[str(seed)] = step
+            else:
+                steps[seed] = float(step)
+        crossover[variant] = {
+            "baseline": baseline,
+            **_stats(steps),
+            "not_measured": why,
+        }
+    return crossover
 
 
 def _without_seed(data: dict[str, Any]) -> dict[str, Any]:
@@ -437,6 +497,8 @@ __all__ = [
     "GroupResult",
     "RunFailure",
     "available_cores",
+    "check_outputs",
+    "crossover_steps",
     "run_path",
     "run_seeds",
     "seed_config",
