@@ -34,6 +34,7 @@ _MAX_SPAN = 100.0
 _GRID_ARRAYS = 6
 #: The most points along a loss-barrier line: each is a forward pass; finer shows nothing new.
 _MAX_BARRIER_POINTS = 1001
+_DEFAULT_BARRIER_POINTS = 21
 
 
 class _Parser(argparse.ArgumentParser):
@@ -253,7 +254,6 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--barrier-points",
         type=int,
-        default=21,
         metavar="N",
         help="loss barriers: points along each straight line between θT's and from θ0 to θT, "
         "one forward pass on the probe batch each (default 21; 0: none)",
@@ -602,10 +602,10 @@ def _compare(args: argparse.Namespace) -> int:
         )
     if args.output is None:
         raise DynamicsError("compare: the argument -o/--output is required")
-    if args.barrier_points == 1 or not 0 <= args.barrier_points <= _MAX_BARRIER_POINTS:
+    barrier_points = _DEFAULT_BARRIER_POINTS if args.barrier_points is None else args.barrier_points
+    if barrier_points == 1 or not 0 <= barrier_points <= _MAX_BARRIER_POINTS:
         raise DynamicsError(
-            f"--barrier-points must be 0 or from 2 to {_MAX_BARRIER_POINTS}, "
-            f"got {args.barrier_points}"
+            f"--barrier-points must be 0 or from 2 to {_MAX_BARRIER_POINTS}, got {barrier_points}"
         )
     init_args = _json_object(args.init_args, "--init-args")
     from dynamics.analysis.compare import write_comparison
@@ -616,7 +616,7 @@ def _compare(args: argparse.Namespace) -> int:
         args.overwrite,
         static_dir=args.static,
         static_format=args.static_format,
-        barrier_points=args.barrier_points,
+        barrier_points=barrier_points,
         model=args.model,
         init_args=init_args,
         trust_recorded_model=args.trust_recorded_model,
@@ -641,6 +641,19 @@ def _compare_groups(args: argparse.Namespace) -> int:
 
     if args.group and args.runs:
         raise DynamicsError("give either --group options or run files, not both")
+    rebuilding = [
+        option
+        for option, given in (
+            ("--barrier-points", args.barrier_points is not None),
+            ("--model", args.model is not None),
+            ("--init-args", args.init_args is not None),
+            ("--trust-recorded-model", args.trust_recorded_model),
+        )
+        if given
+    ]
+    if rebuilding:
+        # Grouped compare draws no loss barrier, so these would be silently ignored.
+        raise DynamicsError(f"{', '.join(rebuilding)}: only with run files, not with groups")
     specs = [parse_group(text) for text in args.group] or directory_groups(args.runs[0])
     if args.reference is not None:
         names = [name for name, _ in specs]

@@ -161,6 +161,10 @@ def test_bad_groups_are_one_line_errors(layout, dynamics, one_line_error, tmp_pa
         "no output, empty group": (["--group", a, "--group", b], "group b: no run files"),
         "unknown reference": ([str(layout), "--reference", "nope", "--json"], "no such group"),
         "runs and groups": ([str(layout), "--group", a, "--json"], "not both"),
+        "barrier options": (
+            [str(layout), "--barrier-points", "5", "--model", "m:M", "--json"],
+            "--barrier-points, --model: only with run files",
+        ),
     }
     for args, message in cases.values():
         result = dynamics("compare", *args)
