@@ -41,6 +41,13 @@ from dynamics.analysis.comparison import (
     verdict,
 )
 from dynamics.analysis.decoded_images import decoded_images, decoded_images_figure
+from dynamics.analysis.displacement_geometry import (
+    DISPLACEMENT_NOTE,
+    DisplacementGeometry,
+    displacement_cells,
+    displacement_figures,
+    displacement_geometry,
+)
 from dynamics.analysis.eigenspace_overlap import eigenspace_overlap_figure
 from dynamics.analysis.figures import (
     Curve,
@@ -120,12 +127,13 @@ def write_comparison(
     labels = run_labels(runs)
     overshoots = [run_overshoot(run) for run in runs]
     pairs = _checks(runs, labels)
-    figures = _figures(runs, labels)
+    geometries = [displacement_geometry(runs[0], run) for run in runs[1:]]
+    figures = _figures(runs, labels, geometries)
     body = [
         "<h1>dynamics comparison</h1>",
         f"<p class='meta'>reference: {html.escape(labels[0])} · dynamics {__version__}</p>",
         "<h2>Summary</h2>",
-        _summary_html(runs, labels, overshoots, _warnings(pairs)),
+        _summary_html(runs, labels, overshoots, _warnings(pairs), geometries),
         "<h2>Comparability</h2>",
         _comparability_html(pairs),
         "<h2>Setup</h2>",
@@ -159,6 +167,7 @@ def _summary_html(
     labels: list[str],
     overshoots: list[OvershootReport | None],
     warnings: list[tuple[str, str]],
+    geometries: list[DisplacementGeometry | str],
 ) -> str:
     rows = [
         (
@@ -180,7 +189,7 @@ def _summary_html(
         "overshoot",
     )
     pairs = []
-    for run, label in zip(runs[1:], labels[1:]):
+    for run, label, geometry in zip(runs[1:], labels[1:], geometries):
         result = loss_crossover(runs[0], run, (labels[0], label))
         ratio = eigenvalue_ratio(runs[0], run)
         pairs.append(
@@ -188,6 +197,7 @@ def _summary_html(
                 f"{label} vs {labels[0]}",
                 *_crossover_cells(result),
                 *(_ratio_cells(ratio) if ratio is not None else ("not recorded",) * 3),
+                *displacement_cells(geometry),
             )
         )
     pair_header = (
@@ -200,11 +210,14 @@ def _summary_html(
         "λ1 ratio, first",
         "λ1 ratio, median",
         "λ1 ratio, last",
+        "displacement angle, final",
+        "in-plane share, run",
+        "in-plane share, reference",
     )
     note = (
         f"<p class='note'>Losses smoothed by a centred moving average over 2h+1 records, "
         f"h = round({SMOOTH_FRACTION} × records). λ1 ratio: the run's top Hessian eigenvalue "
-        f"over the reference's at the same step.</p>"
+        f"over the reference's at the same step. {DISPLACEMENT_NOTE}</p>"
     )
     warning_table = ""
     if warnings:
@@ -298,12 +311,15 @@ def _config_html(runs: list[Run], labels: list[str]) -> str:
 _STATUS_CLASS = {DIFFERS: "warning", NOT_RECORDED: "flag"}
 
 
-def _figures(runs: list[Run], labels: list[str]) -> list[tuple[str, go.Figure]]:
+def _figures(
+    runs: list[Run], labels: list[str], geometries: list[DisplacementGeometry | str]
+) -> list[tuple[str, go.Figure]]:
     colors = run_colors(len(runs))
     figures = [("loss", loss(runs, labels=labels))]
     difference = _difference_figure(runs, labels, colors)
     if difference is not None:
         figures.append(("loss-difference", difference))
+    figures += displacement_figures(geometries, labels, colors)
     top = [(label, color, top_eigenvalue(run)) for run, label, color in zip(runs, labels, colors)]
     curves = [Curve(label, m.step, m.values, color) for label, color, m in top if m is not None]
     if curves:

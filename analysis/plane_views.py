@@ -122,7 +122,7 @@ def choose_plane(
         raise DynamicsError(f"--grid must be at least 2, got {grid_side}")
     runs = [run_a, run_b]
     theta0 = _check_comparable(runs)
-    checkpoints = {r.name: _checkpoints(r) for r in runs}
+    checkpoints = {r.name: stored_checkpoints(r) for r in runs}
     pair = f"{run_a.path.name} and {run_b.path.name}"
     endpoints = [checkpoints[r.name][1][-1] for r in runs]
     try:  # the runs' own vectors, so a degenerate plane is the user's input
@@ -473,7 +473,13 @@ def _vector(run: Run, name: str, what: str) -> np.ndarray:
     return value
 
 
-def _checkpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:
+def stored_checkpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:
+    """A run's stored parameter snapshots followed by θT: ``(steps, θs)``, θT at the step
+    after the last training step.
+
+    Raises:
+        DynamicsError: the run stored no snapshots or no θT.
+    """
     snapshots = run.recorded(names.SNAPSHOTS)
     if snapshots is None:
         raise DynamicsError(f"{run.path.name}: no parameter snapshots (ParameterDisplacement)")
