@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from dynamics.analysis.displacement_geometry import DisplacementGeometry, displacement_geometry
 from dynamics.analysis.groups import Group, GroupComparison
 from dynamics.analysis.paired_statistics import (
     DIFFERENCE,
@@ -23,10 +24,8 @@ from dynamics.analysis.paired_statistics import (
     PairedStatistic,
     paired_statistic,
 )
-from dynamics.analysis.plane_views import choose_plane
 from dynamics.analysis.run_views import run_overshoot
 from dynamics.errors import DynamicsError
-from dynamics.landscape import in_plane_share, trajectory
 from dynamics.store import Run, names
 
 __all__ = [
@@ -244,28 +243,28 @@ def _early_gap(a: Run, b: Run) -> Sample | str:
     return Sample(value, value > 0)
 
 
-def _displacement(run: Run) -> np.ndarray:
-    theta0, final = run.vector(names.THETA0), run.vector(names.THETA_FINAL)
-    if theta0 is None or final is None:
-        raise DynamicsError(f"{run.path.name}: θ0 or θT not stored (ParameterDisplacement)")
-    return final - theta0
+def _final_geometry(a: Run, b: Run) -> DisplacementGeometry:
+    """The runs' displacement geometry (compare's), ending at θT."""
+    geometry = displacement_geometry(a, b)
+    if isinstance(geometry, str):
+        raise DynamicsError(f"{b.path.name}: {geometry}")
+    return geometry
 
 
 def _displacement_cosine(a: Run, b: Run) -> Sample | str:
-    da, db = _displacement(a), _displacement(b)
-    norms = np.linalg.norm(da) * np.linalg.norm(db)
-    if norms == 0:
+    value = float(_final_geometry(a, b).cosine[-1])
+    if not np.isfinite(value):
         return "a run did not move (θT = θ0)"
-    value = float(da @ db / norms)
     return Sample(value, abs(value) < ORTHOGONAL_COSINE)
 
 
 def _in_plane_share(a: Run, b: Run) -> Sample | str:
     """The other run's share of ‖θT − θ0‖² inside the plane of both runs' initial gradients
     (the share the plane views print)."""
-    plane = choose_plane(a, b, "gradients").plane
-    final = _displacement(b) + b.vector(names.THETA0)
-    share = in_plane_share(trajectory(b.name, plane, np.array([0]), final[None], None))
+    geometry = _final_geometry(a, b)
+    if not geometry.in_plane:
+        return geometry.plane_remark
+    share = float(geometry.in_plane[1][1][-1])
     if not np.isfinite(share):
         return f"{b.path.name}: θT = θ0, no share to take"
     return Sample(share, share < IN_PLANE_SHARE)

@@ -31,17 +31,22 @@ class DisplacementGeometry:
 
     Attributes:
         steps: the steps at which both runs stored θt.
-        angle_deg: the angle between the two displacements θt − θ0 at each of ``steps``, in
-            degrees (NaN where either run has not moved).
+        cosine: the cosine between the two displacements θt − θ0 at each of ``steps`` (NaN
+            where either run has not moved).
         in_plane: ``(steps, share)`` of the reference (first) and the other run, on the plane
             of their initial gradients; empty when the plane cannot be built.
         plane_remark: why the in-plane shares are missing; empty when they are there.
     """
 
     steps: np.ndarray
-    angle_deg: np.ndarray
+    cosine: np.ndarray
     in_plane: tuple[tuple[np.ndarray, np.ndarray], ...]
     plane_remark: str = ""
+
+    @property
+    def angle_deg(self) -> np.ndarray:
+        """The angle between the displacements at each of ``steps``, in degrees."""
+        return np.degrees(np.arccos(np.clip(self.cosine, -1.0, 1.0)))
 
 
 def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | str:
@@ -70,16 +75,15 @@ def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | st
         cosine = np.einsum("ij,ij->i", da, db) / (
             np.linalg.norm(da, axis=1) * np.linalg.norm(db, axis=1)
         )
-    angle = np.degrees(np.arccos(np.clip(cosine, -1.0, 1.0)))
     try:
         plane = choose_plane(reference, run, kind="gradients").plane
     except DynamicsError as error:
-        return DisplacementGeometry(steps, angle, (), f"no in-plane share: {error}")
+        return DisplacementGeometry(steps, cosine, (), f"no in-plane share: {error}")
     in_plane = tuple(
         (s, _in_plane_shares(*project(plane, thetas)))
         for s, thetas in ((steps_a, thetas_a), (steps_b, thetas_b))
     )
-    return DisplacementGeometry(steps, angle, in_plane)
+    return DisplacementGeometry(steps, cosine, in_plane)
 
 
 def _in_plane_shares(a: np.ndarray, b: np.ndarray, r: np.ndarray) -> np.ndarray:
