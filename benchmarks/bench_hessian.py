@@ -55,7 +55,13 @@ import torch.nn.functional as F
 from torch.func import functional_call, jacrev, jvp
 
 from dynamics.callbacks import DynamicsRecorder, HessianSpectrum
-from dynamics.curvature import Eigenpairs, HessianOperator, lanczos, top_eigenvalues
+from dynamics.curvature import (
+    Eigenpairs,
+    HessianOperator,
+    eigenvalue_error_bounds,
+    lanczos,
+    top_eigenvalues,
+)
 from dynamics.experiments.config import load_config
 from dynamics.experiments.runner import quiet_lightning
 from dynamics.experiments.teacher_student_experiment import TeacherStudent
@@ -351,6 +357,8 @@ class CheckedSpectrum(HessianSpectrum):
         self.deviations: list[float] = []
         self.costs: list[int] = []
         self.restarts = 0
+        self.violated = 0  # eigenvalues off by more than their stored error bound
+        self.unbounded = 0  # eigenvalues stored without one (NaN: no resolved gap)
 
     def _eigenpairs(self, operator: HessianOperator) -> Eigenpairs:
         pairs = super()._eigenpairs(operator)
@@ -358,9 +366,12 @@ class CheckedSpectrum(HessianSpectrum):
         self.restarts += pairs.restarted
         cold = lanczos(operator, self.k, 1e-6, max_hvp=5000, seed=self.seed + 1)
         found = pairs.eigenvalues[: self.k]
-        self.deviations.append(
-            ((found - cold.eigenvalues).abs() / cold.eigenvalues.abs()).max().item()
-        )
+        error = (found - cold.eigenvalues).abs()
+        self.deviations.append((error / cold.eigenvalues.abs()).max().item())
+        bounds = eigenvalue_error_bounds(pairs.eigenvalues, pairs.residuals)[: self.k]
+        self.unbounded += int(bounds.isnan().sum())
+        # 1e-6 of slack: the cold reference's own error.
+        self.violated += int((error > bounds + 1e-6 * cold.eigenvalues.abs()).sum())
         return pairs
 
 
@@ -407,7 +418,9 @@ def tracking_cost(pairs: int, steps: int | None, tol: float, with_lanczos: bool)
             f"{len(checked.costs)} records checked against a cold Lanczos to 1e-6: max relative "
             f"deviation {max(checked.deviations):.1e}; products per record median "
             f"{statistics.median(checked.costs):g} (first {checked.costs[0]}, range "
-            f"{min(checked.costs)}-{max(checked.costs)}), {checked.restarts} cold restart(s)"
+            f"{min(checked.costs)}-{max(checked.costs)}), {checked.restarts} cold restart(s); "
+            f"of {k * len(checked.costs)} eigenvalues, {checked.unbounded} stored without a gap "
+            f"error bound (NaN) and {checked.violated} off by more than theirs"
         )
         ratios: dict[str, list[float]] = {name: [] for name in variants}
         for pair in range(pairs):

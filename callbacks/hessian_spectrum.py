@@ -16,6 +16,7 @@ from dynamics.callbacks.probe_loss import ProbeLoss, upcast
 from dynamics.curvature import (
     Eigenpairs,
     HessianOperator,
+    eigenvalue_error_bounds,
     hutch_plus_plus,
     lanczos,
     spectral_density,
@@ -33,8 +34,9 @@ from dynamics.subspace_overlap import subspace_overlap, update_share
 # teacher–student model left most records to the cold restart.
 GUARDS = 2
 
-# Series that have no value on a fit's first row (there is no previous record): NaN there.
-MISSING_ON_FIRST_ROW = (names.HESSIAN_OVERLAP, names.HESSIAN_UPDATE_SHARE)
+# Series that may hold NaN by design: no previous record on a fit's first row, no known gap
+# below the last pair (or an unresolved one) for an error bound.
+MAY_BE_NAN = (names.HESSIAN_OVERLAP, names.HESSIAN_UPDATE_SHARE, names.HESSIAN_ERROR_BOUNDS)
 
 
 class HessianSpectrum(Probe):
@@ -79,6 +81,11 @@ class HessianSpectrum(Probe):
     Series (group ``hessian``), one row per due step:
 
     - ``eigenvalues``, ``residuals`` (k): largest first, and ``‖H v − λ v‖`` of each;
+    - ``error_bounds`` (k): ``‖r‖²/δ``, the Kato–Temple bound on each eigenvalue's error, with
+      ``δ`` its gap to the other pairs' values less their residuals
+      (:func:`dynamics.curvature.eigenvalue_error_bounds`: it holds when the pairs are the top
+      ones, each within its residual of its eigenvalue); NaN where no gap is known — the k-th
+      with the Lanczos solver (no pair below it), or a gap the residuals do not resolve;
     - ``converged``: 1 when every residual met ``tol`` within ``max_hvp`` products;
     - ``n_hvp``: Hessian-vector products the row cost (eigenvalues, trace and density);
     - ``loss``: the probe-batch loss;
@@ -227,6 +234,7 @@ class HessianSpectrum(Probe):
         specs = {
             names.HESSIAN_EIGENVALUES: SeriesSpec((self.k,), columns=columns, view=eigenvalues),
             names.HESSIAN_RESIDUALS: SeriesSpec((self.k,), columns=columns, view=residuals),
+            names.HESSIAN_ERROR_BOUNDS: SeriesSpec((self.k,), columns=columns),
             names.HESSIAN_CONVERGED: SeriesSpec(dtype="int8"),
             names.HESSIAN_N_HVP: SeriesSpec(dtype="int32", view=view(names.HESSIAN_N_HVP)),
             names.HESSIAN_LOSS: SeriesSpec(view=view(names.HESSIAN_LOSS)),
@@ -321,7 +329,7 @@ class HessianSpectrum(Probe):
         not_finite = [
             name
             for name, value in row.items()
-            if name not in MISSING_ON_FIRST_ROW and not np.isfinite(value).all()
+            if name not in MAY_BE_NAN and not np.isfinite(value).all()
         ]
         if not_finite:
             raise FloatingPointError(
@@ -334,10 +342,13 @@ class HessianSpectrum(Probe):
         pairs = self._eigenpairs(operator)
         self._ritz = pairs.eigenvectors
         vectors = pairs.eigenvectors[: self.k]
+        # From all the pairs the solver returns: a tracking solve's guards give the k-th a gap.
+        bounds = eigenvalue_error_bounds(pairs.eigenvalues, pairs.residuals)
         row: dict[str, Any] = {
             names.HESSIAN_LOSS: operator.loss,
             names.HESSIAN_EIGENVALUES: pairs.eigenvalues[: self.k].float().numpy(),
             names.HESSIAN_RESIDUALS: pairs.residuals[: self.k].float().numpy(),
+            names.HESSIAN_ERROR_BOUNDS: bounds[: self.k].float().numpy(),
             names.HESSIAN_CONVERGED: np.int8(pairs.converged),
         }
         if self.gradient_share:
