@@ -229,3 +229,28 @@ def test_probe_rows_store_error_bounds_that_hold_against_the_dense_hessian() -> 
         with torch.no_grad():
             for p in module.parameters():
                 p.add_(1e-4 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+
+
+def test_cold_every_makes_every_nth_record_a_cold_lanczos() -> None:
+    module, batch = _tiny()
+    guarded = HessianSpectrum(
+        k=2, every_n_steps=10, tol=1e-6, batch=batch, solver="tracking", cold_every=2
+    )
+    plain = HessianSpectrum(k=2, every_n_steps=10, tol=1e-6, batch=batch, solver="tracking")
+    cold = HessianSpectrum(k=2, every_n_steps=10, tol=1e-6, batch=batch, warm_start=False)
+    for probe in (guarded, plain, cold):
+        probe.setup(SimpleNamespace(strategy=None), module, batch)
+    assert guarded.settings()["cold_every"] == 2
+    for step in (0, 10, 20, 30):
+        rows = [probe.measure(module, step) for probe in (guarded, plain, cold)]
+        if step in (0, 20):  # a cold Lanczos of the top 2 and the guards: as costly as cold
+            assert rows[0]["n_hvp"] > rows[1]["n_hvp"] or step == 0
+        else:  # tracked: the same solve as without the safeguard
+            np.testing.assert_array_equal(rows[0]["eigenvalues"], rows[1]["eigenvalues"])
+            assert rows[0]["n_hvp"] == rows[1]["n_hvp"]
+        np.testing.assert_allclose(rows[0]["eigenvalues"], rows[2]["eigenvalues"], rtol=1e-5)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1e-4)
+    with pytest.raises(ValueError, match="cold_every"):
+        HessianSpectrum(cold_every=-1)
