@@ -23,14 +23,17 @@ on the same float64 products.
 4. The cost of leaving curvature on: the default teacher–student config (``configs/
    teacher_student.yaml``, its unshifted student, ``--fit-steps`` steps) fitted bare and with
    ``HessianSpectrum(k=5, every_n_steps=50, solver="tracking", tol=--track-tol)`` (and, with
-   ``--with-lanczos``, the default Lanczos probe), alternating in one process, ``--pairs``
+   ``--cold-every N``, the same with a cold Lanczos every N-th record; with ``--with-lanczos``,
+   the default Lanczos probe), alternating in one process, ``--pairs``
    times: the median ratio of the fits' CPU times (one thread; wall time on a shared machine
    measured the neighbours) with its range. An untimed fit first checks every
    tracking record against a cold Lanczos to 1e-6 on the same operator (the same batch and
-   θ): the largest relative deviation, the products per record and the cold restarts.
+   θ): the largest relative deviation, the products per record and the cold restarts, and
+   how many stored eigenvalues had no gap error bound (NaN) or missed theirs.
 
 Usage: ``python benchmarks/bench_hessian.py [--reps 6] [--seeds 3] [--threads 1] [--steps 100]
-[--pairs 5] [--fit-steps 2000] [--track-tol 1e-2] [--only tracking|peers]``; the curvlinops row
+[--pairs 5] [--fit-steps 2000] [--track-tol 1e-2] [--cold-every N] [--with-lanczos]
+[--only tracking|peers]``; the curvlinops row
 needs the ``bench`` extra (``pip install -e ".[bench]"``).
 """
 
@@ -55,7 +58,13 @@ import torch.nn.functional as F
 from torch.func import functional_call, jacrev, jvp
 
 from dynamics.callbacks import DynamicsRecorder, HessianSpectrum
-from dynamics.curvature import Eigenpairs, HessianOperator, lanczos, top_eigenvalues
+from dynamics.curvature import (
+    Eigenpairs,
+    HessianOperator,
+    eigenvalue_error_bounds,
+    lanczos,
+    top_eigenvalues,
+)
 from dynamics.experiments.config import load_config
 from dynamics.experiments.runner import quiet_lightning
 from dynamics.experiments.teacher_student_experiment import TeacherStudent
@@ -351,16 +360,21 @@ class CheckedSpectrum(HessianSpectrum):
         self.deviations: list[float] = []
         self.costs: list[int] = []
         self.restarts = 0
+        self.violated = 0  # eigenvalues off by more than their stored error bound
+        self.unbounded = 0  # eigenvalues stored without one (NaN: no resolved gap)
 
-    def _eigenpairs(self, operator: HessianOperator) -> Eigenpairs:
-        pairs = super()._eigenpairs(operator)
+    def _eigenpairs(self, operator: HessianOperator, step: int) -> Eigenpairs:
+        pairs = super()._eigenpairs(operator, step)
         self.costs.append(pairs.n_hvp)
         self.restarts += pairs.restarted
         cold = lanczos(operator, self.k, 1e-6, max_hvp=5000, seed=self.seed + 1)
         found = pairs.eigenvalues[: self.k]
-        self.deviations.append(
-            ((found - cold.eigenvalues).abs() / cold.eigenvalues.abs()).max().item()
-        )
+        error = (found - cold.eigenvalues).abs()
+        self.deviations.append((error / cold.eigenvalues.abs()).max().item())
+        bounds = eigenvalue_error_bounds(pairs.eigenvalues, pairs.residuals)[: self.k]
+        self.unbounded += int(bounds.isnan().sum())
+        # 1e-6 of slack: the cold reference's own error.
+        self.violated += int((error > bounds + 1e-6 * cold.eigenvalues.abs()).sum())
         return pairs
 
 
@@ -390,7 +404,9 @@ def fit_seconds(config, steps: int, probes: list | None, folder: Path) -> float:
     return time.process_time() - start
 
 
-def tracking_cost(pairs: int, steps: int | None, tol: float, with_lanczos: bool) -> None:
+def tracking_cost(
+    pairs: int, steps: int | None, tol: float, cold_every: int, with_lanczos: bool
+) -> None:
     _, config = load_config(CONFIG, steps=steps)
     every, k = 50, 5
     print(
@@ -398,6 +414,10 @@ def tracking_cost(pairs: int, steps: int | None, tol: float, with_lanczos: bool)
         f"tracking tol {tol:g} =="
     )
     variants = {"tracking": lambda: [HessianSpectrum(k, every, tol, solver="tracking")]}
+    if cold_every:
+        variants[f"tracking, cold every {cold_every}"] = lambda: [
+            HessianSpectrum(k, every, tol, solver="tracking", cold_every=cold_every)
+        ]
     if with_lanczos:
         variants["lanczos (default)"] = lambda: [HessianSpectrum(k, every)]
     with tempfile.TemporaryDirectory() as folder:
@@ -407,7 +427,9 @@ def tracking_cost(pairs: int, steps: int | None, tol: float, with_lanczos: bool)
             f"{len(checked.costs)} records checked against a cold Lanczos to 1e-6: max relative "
             f"deviation {max(checked.deviations):.1e}; products per record median "
             f"{statistics.median(checked.costs):g} (first {checked.costs[0]}, range "
-            f"{min(checked.costs)}-{max(checked.costs)}), {checked.restarts} cold restart(s)"
+            f"{min(checked.costs)}-{max(checked.costs)}), {checked.restarts} cold restart(s); "
+            f"of {k * len(checked.costs)} eigenvalues, {checked.unbounded} stored without a gap "
+            f"error bound (NaN) and {checked.violated} off by more than theirs"
         )
         ratios: dict[str, list[float]] = {name: [] for name in variants}
         for pair in range(pairs):
@@ -436,6 +458,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--fit-steps", type=int, default=None, help="default: the config's")
     parser.add_argument("--track-tol", type=float, default=1e-2)
+    parser.add_argument("--cold-every", type=int, default=0, help="also time this safeguard")
     parser.add_argument("--with-lanczos", action="store_true")
     parser.add_argument("--only", choices=("tracking", "peers"), default=None)
     args = parser.parse_args()
@@ -443,7 +466,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
     quiet_lightning()
     if args.only != "peers":
-        tracking_cost(args.pairs, args.fit_steps, args.track_tol, args.with_lanczos)
+        tracking_cost(
+            args.pairs, args.fit_steps, args.track_tol, args.cold_every, args.with_lanczos
+        )
     if args.only == "tracking":
         return
     problem = build_problem(args.batch)

@@ -16,6 +16,7 @@ from dynamics.callbacks.probe_loss import ProbeLoss, upcast
 from dynamics.curvature import (
     Eigenpairs,
     HessianOperator,
+    eigenvalue_error_bounds,
     hutch_plus_plus,
     lanczos,
     spectral_density,
@@ -33,8 +34,9 @@ from dynamics.subspace_overlap import subspace_overlap, update_share
 # teacher–student model left most records to the cold restart.
 GUARDS = 2
 
-# Series that have no value on a fit's first row (there is no previous record): NaN there.
-MISSING_ON_FIRST_ROW = (names.HESSIAN_OVERLAP, names.HESSIAN_UPDATE_SHARE)
+# Series that may hold NaN by design: no previous record on a fit's first row, no known gap
+# below the last pair (or an unresolved one) for an error bound.
+MAY_BE_NAN = (names.HESSIAN_OVERLAP, names.HESSIAN_UPDATE_SHARE, names.HESSIAN_ERROR_BOUNDS)
 
 
 class HessianSpectrum(Probe):
@@ -79,6 +81,11 @@ class HessianSpectrum(Probe):
     Series (group ``hessian``), one row per due step:
 
     - ``eigenvalues``, ``residuals`` (k): largest first, and ``‖H v − λ v‖`` of each;
+    - ``error_bounds`` (k): ``‖r‖²/δ``, the Kato–Temple bound on each eigenvalue's error, with
+      ``δ`` its gap to the other pairs' values less their residuals
+      (:func:`dynamics.curvature.eigenvalue_error_bounds`: it holds when the pairs are the top
+      ones, each within its residual of its eigenvalue); NaN where no gap is known — the k-th
+      with the Lanczos solver (no pair below it), or a gap the residuals do not resolve;
     - ``converged``: 1 when every residual met ``tol`` within ``max_hvp`` products;
     - ``n_hvp``: Hessian-vector products the row cost (eigenvalues, trace and density);
     - ``loss``: the probe-batch loss;
@@ -125,6 +132,10 @@ class HessianSpectrum(Probe):
         max_basis: with ``solver="tracking"``, basis vectors before the cold restart
             (default ``5·(k + 2)``: the k pairs and two guards, as in
             :func:`~dynamics.curvature.track_eigenpairs`).
+        cold_every: with ``solver="tracking"``, a cold Lanczos (random start) at every
+            ``cold_every``-th record (steps that are multiples of ``cold_every·every_n_steps``),
+            the safeguard against a new sharp direction orthogonal to the tracked ones, which
+            no residual test can see; 0: only the first record and lost subspaces are cold.
     """
 
     name = names.HESSIAN
@@ -146,6 +157,7 @@ class HessianSpectrum(Probe):
         mode: Mode = "eval",
         solver: Literal["lanczos", "tracking"] = "lanczos",
         max_basis: int | None = None,
+        cold_every: int = 0,
         eigenspace_overlap: bool = False,
         vector_budget_mb: float = 0.0,
     ) -> None:
@@ -154,6 +166,8 @@ class HessianSpectrum(Probe):
             raise ValueError(f"solver must be 'lanczos' or 'tracking', got {solver!r}")
         if max_basis is not None and max_basis < k + GUARDS:
             raise ValueError(f"max_basis must be at least k + {GUARDS}, got {max_basis}")
+        if cold_every < 0:
+            raise ValueError(f"cold_every must be >= 0, got {cold_every}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if trace_hvp and trace_hvp < 4:
@@ -171,6 +185,7 @@ class HessianSpectrum(Probe):
         self.seed = seed
         self.solver = solver
         self.max_basis = max_basis
+        self.cold_every = cold_every
         self.eigenspace_overlap = eigenspace_overlap
         self.vector_budget_mb = vector_budget_mb
         self.vector_period = 0  # steps between stored eigenvectors; 0: none
@@ -227,6 +242,7 @@ class HessianSpectrum(Probe):
         specs = {
             names.HESSIAN_EIGENVALUES: SeriesSpec((self.k,), columns=columns, view=eigenvalues),
             names.HESSIAN_RESIDUALS: SeriesSpec((self.k,), columns=columns, view=residuals),
+            names.HESSIAN_ERROR_BOUNDS: SeriesSpec((self.k,), columns=columns),
             names.HESSIAN_CONVERGED: SeriesSpec(dtype="int8"),
             names.HESSIAN_N_HVP: SeriesSpec(dtype="int32", view=view(names.HESSIAN_N_HVP)),
             names.HESSIAN_LOSS: SeriesSpec(view=view(names.HESSIAN_LOSS)),
@@ -267,7 +283,8 @@ class HessianSpectrum(Probe):
     def settings(self) -> dict[str, Any]:
         # The solver decides how a row was measured (tracking rows may miss a new sharp
         # direction a cold Lanczos would find), so a reader of the file must see it.
-        return {**self._loss.settings(), "solver": self.solver, "tol": self.tol}
+        solver = {"solver": self.solver, "tol": self.tol, "cold_every": self.cold_every}
+        return {**self._loss.settings(), **solver}
 
     def on_step_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
@@ -317,11 +334,11 @@ class HessianSpectrum(Probe):
                 list(leaves.values()),
                 average_across_ranks=averaged,
             )
-            row = self._row_of(operator)
+            row = self._row_of(operator, step)
         not_finite = [
             name
             for name, value in row.items()
-            if name not in MISSING_ON_FIRST_ROW and not np.isfinite(value).all()
+            if name not in MAY_BE_NAN and not np.isfinite(value).all()
         ]
         if not_finite:
             raise FloatingPointError(
@@ -329,15 +346,18 @@ class HessianSpectrum(Probe):
             )
         return row
 
-    def _row_of(self, operator: HessianOperator) -> dict[str, Any]:
+    def _row_of(self, operator: HessianOperator, step: int) -> dict[str, Any]:
         previous = None if self._ritz is None else self._ritz[: self.k]
-        pairs = self._eigenpairs(operator)
+        pairs = self._eigenpairs(operator, step)
         self._ritz = pairs.eigenvectors
         vectors = pairs.eigenvectors[: self.k]
+        # From all the pairs the solver returns: a tracking solve's guards give the k-th a gap.
+        bounds = eigenvalue_error_bounds(pairs.eigenvalues, pairs.residuals)
         row: dict[str, Any] = {
             names.HESSIAN_LOSS: operator.loss,
             names.HESSIAN_EIGENVALUES: pairs.eigenvalues[: self.k].float().numpy(),
             names.HESSIAN_RESIDUALS: pairs.residuals[: self.k].float().numpy(),
+            names.HESSIAN_ERROR_BOUNDS: bounds[: self.k].float().numpy(),
             names.HESSIAN_CONVERGED: np.int8(pairs.converged),
         }
         if self.gradient_share:
@@ -366,7 +386,7 @@ class HessianSpectrum(Probe):
         row[names.HESSIAN_N_HVP] = operator.n_hvp
         return row
 
-    def _eigenpairs(self, operator: HessianOperator) -> Eigenpairs:
+    def _eigenpairs(self, operator: HessianOperator, step: int) -> Eigenpairs:
         """The top k pairs (tracking: and the guards, to be tracked at the next row)."""
         if self.solver == "lanczos":
             warm = self._ritz if self.warm_start else None
@@ -374,7 +394,8 @@ class HessianSpectrum(Probe):
                 operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
             )
         width = min(self.k + GUARDS, operator.size)
-        if self._ritz is None or len(self._ritz) != width:
+        cold_due = self.cold_every and step % (self.cold_every * self.every_n_steps) == 0
+        if self._ritz is None or len(self._ritz) != width or cold_due:
             return lanczos(operator, width, self.tol, max_hvp=self.max_hvp, seed=self.seed)
         return track_eigenpairs(
             operator,

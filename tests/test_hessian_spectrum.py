@@ -125,6 +125,7 @@ def test_series_declared_match_the_rows() -> None:
         "loss": "training_step",
         "solver": "lanczos",
         "tol": probe.tol,
+        "cold_every": 0,
     }
 
 
@@ -133,7 +134,13 @@ def test_declarations_before_setup_are_well_defined() -> None:
     assert set(probe.series()["hessian"]) >= {"eigenvalues", "trace"}
     assert set(probe.vectors()) == {"hessian_float_bits"}
     assert probe.initial_vectors() == {}  # the precision is the module's, known at setup
-    assert probe.settings() == {"mode": "eval", "loss": None, "solver": "lanczos", "tol": 1e-4}
+    assert probe.settings() == {
+        "mode": "eval",
+        "loss": None,
+        "solver": "lanczos",
+        "tol": 1e-4,
+        "cold_every": 0,
+    }
 
 
 def test_probe_agrees_with_top_eigenvalues_on_the_module_loss() -> None:
@@ -292,6 +299,7 @@ def test_recording_leaves_training_bit_identical_and_fills_the_run_file(
         "loss": "training_step",
         "solver": "lanczos",
         "tol": probe.tol,
+        "cold_every": 0,
     }
     with h5py.File(tmp_path / "run.h5", "r") as file:
         group = file["series/hessian"]

@@ -12,7 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
-from dynamics.curvature import HessianOperator, lanczos, track_eigenpairs
+from dynamics.curvature import (
+    HessianOperator,
+    eigenvalue_error_bounds,
+    lanczos,
+    track_eigenpairs,
+)
 from dynamics.params import flatten
 from tests.test_hessian_spectrum import _dense, _tiny, _tiny_loss_of_flat
 
@@ -169,3 +174,83 @@ def test_a_resumed_tracking_probe_continues_as_an_uninterrupted_one() -> None:
     assert row.keys() == expected.keys()
     for name in row:
         np.testing.assert_array_equal(row[name], expected[name])
+
+
+def _perturbed_ritz_pairs(noise: float):
+    """Ritz pairs of a known spectrum from a subspace near its top 4 eigenvectors."""
+    torch.manual_seed(2)
+    basis = torch.linalg.qr(torch.randn(60, 60, dtype=torch.float64)).Q
+    values = torch.cat(
+        [torch.tensor([10.0, 7.0, 5.0, 4.0], dtype=torch.float64), torch.linspace(0, 3, 56)]
+    )
+    matrix = basis @ torch.diag(values) @ basis.T
+    rows = basis[:, :4].T + noise * torch.randn(4, 60, dtype=torch.float64)
+    q = torch.linalg.qr(rows.T).Q
+    theta, mixing = torch.linalg.eigh(q.T @ matrix @ q)
+    theta, vectors = theta.flip(0), (q @ mixing).T.flip(0)
+    residuals = torch.linalg.vector_norm(vectors @ matrix - theta[:, None] * vectors, dim=1)
+    return values[:4], theta, residuals, matrix
+
+
+def test_error_bounds_hold_on_a_known_spectrum_and_are_far_below_the_residual() -> None:
+    exact, theta, residuals, _ = _perturbed_ritz_pairs(noise=2e-3)
+    bounds = eigenvalue_error_bounds(theta, residuals)
+    assert bounds[-1].isnan()  # no known neighbour below the last pair
+    error = (theta - exact).abs()[:3]
+    assert (error <= bounds[:3]).all()
+    # Hand-computed for the top pair: ‖r₁‖² / (θ₁ − θ₂ − ‖r₂‖).
+    top = residuals[0] ** 2 / (theta[0] - theta[1] - residuals[1])
+    assert bounds[0].item() == pytest.approx(top.item(), rel=1e-12)
+    assert (bounds[:3] < 0.05 * residuals[:3]).all()
+    # A gap the residuals do not resolve: no bound.
+    unresolved = eigenvalue_error_bounds(theta, torch.full_like(residuals, 5.0))
+    assert unresolved.isnan().all()
+
+
+def test_probe_rows_store_error_bounds_that_hold_against_the_dense_hessian() -> None:
+    module, batch = _tiny()
+    tracking = HessianSpectrum(k=3, tol=1e-3, batch=batch, solver="tracking")
+    cold = HessianSpectrum(k=3, tol=1e-3, batch=batch, warm_start=False)
+    for probe in (tracking, cold):
+        probe.setup(SimpleNamespace(strategy=None), module, batch)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        row, reference = tracking.measure(module, step), cold.measure(module, step)
+        hessian = _dense(module, _tiny_loss_of_flat(module, [batch]))
+        exact = torch.linalg.eigvalsh(hessian).flip(0)[:3].numpy()
+        bounds = row["error_bounds"]
+        assert np.isfinite(bounds).all()  # the guards give the 3rd pair a gap
+        # float32 storage: the bound plus the stored value's rounding.
+        assert (np.abs(row["eigenvalues"] - exact) <= bounds + 1e-6 * exact).all()
+        # Far tighter than the residual, which alone only says "within ‖r‖ of some eigenvalue".
+        assert (bounds < 0.1 * row["residuals"]).all()
+        assert np.isnan(reference["error_bounds"][-1])  # Lanczos: no pair below the k-th
+        assert np.isfinite(reference["error_bounds"][:-1]).all()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1e-4 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+
+
+def test_cold_every_makes_every_nth_record_a_cold_lanczos() -> None:
+    module, batch = _tiny()
+    guarded = HessianSpectrum(
+        k=2, every_n_steps=10, tol=1e-6, batch=batch, solver="tracking", cold_every=2
+    )
+    plain = HessianSpectrum(k=2, every_n_steps=10, tol=1e-6, batch=batch, solver="tracking")
+    cold = HessianSpectrum(k=2, every_n_steps=10, tol=1e-6, batch=batch, warm_start=False)
+    for probe in (guarded, plain, cold):
+        probe.setup(SimpleNamespace(strategy=None), module, batch)
+    assert guarded.settings()["cold_every"] == 2
+    for step in (0, 10, 20, 30):
+        rows = [probe.measure(module, step) for probe in (guarded, plain, cold)]
+        if step in (0, 20):  # a cold Lanczos of the top 2 and the guards: as costly as cold
+            assert rows[0]["n_hvp"] > rows[1]["n_hvp"] or step == 0
+        else:  # tracked: the same solve as without the safeguard
+            np.testing.assert_array_equal(rows[0]["eigenvalues"], rows[1]["eigenvalues"])
+            assert rows[0]["n_hvp"] == rows[1]["n_hvp"]
+        np.testing.assert_allclose(rows[0]["eigenvalues"], rows[2]["eigenvalues"], rtol=1e-5)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1e-4)
+    with pytest.raises(ValueError, match="cold_every"):
+        HessianSpectrum(cold_every=-1)

@@ -6,6 +6,7 @@ Start with :func:`top_eigenvalues`; every algorithm takes a :class:`LinearOperat
 
 from dynamics.curvature.density import SpectralDensity, broadened_density, spectral_density
 from dynamics.curvature.eigenpairs import Eigenpairs
+from dynamics.curvature.error_bounds import eigenvalue_error_bounds
 from dynamics.curvature.operator import HessianOperator, LinearOperator
 from dynamics.curvature.power import power_iteration
 from dynamics.curvature.pyhessian_backend import pyhessian_eigenpairs
@@ -21,6 +22,7 @@ __all__ = [
     "SpectralDensity",
     "TraceEstimate",
     "broadened_density",
+    "eigenvalue_error_bounds",
     "hutch_plus_plus",
     "hutchinson",
     "lanczos",

@@ -30,6 +30,7 @@ STANDARD_AXES: dict[tuple[str, str], tuple[str, ...]] = {
     (names.SNAPSHOTS, names.SNAPSHOT_THETA): ("parameter",),
     (names.HESSIAN, names.HESSIAN_EIGENVALUES): ("eigen_index",),
     (names.HESSIAN, names.HESSIAN_RESIDUALS): ("eigen_index",),
+    (names.HESSIAN, names.HESSIAN_ERROR_BOUNDS): ("eigen_index",),
     # One stochastic Lanczos quadrature per density run, one node per Lanczos step.
     (names.HESSIAN, names.HESSIAN_DENSITY_NODES): ("density_run", "node"),
     (names.HESSIAN, names.HESSIAN_DENSITY_WEIGHTS): ("density_run", "node"),

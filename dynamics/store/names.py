@@ -128,6 +128,7 @@ SNAPSHOT_BUFFERS = "buffers"  # series buffers.<dtype>: the buffers stored with 
 HESSIAN = "hessian"
 HESSIAN_EIGENVALUES = "eigenvalues"
 HESSIAN_RESIDUALS = "residuals"
+HESSIAN_ERROR_BOUNDS = "error_bounds"  # ‖r‖²/gap per eigenvalue; NaN where no gap is known
 HESSIAN_CONVERGED = "converged"
 HESSIAN_N_HVP = "n_hvp"
 HESSIAN_LOSS = "loss"
