@@ -1,4 +1,4 @@
-"""Recording overhead: a training run with and without the recorder, side by side.
+r"""Recording overhead: a training run with and without the recorder, side by side.
 
 Two workloads: the default teacher–student config's unshifted student, and a small character
 transformer (``dynamics.experiments.char_gpt``: 2 blocks, width 64, SDPA attention, 120k
@@ -14,6 +14,15 @@ less sensitive to other processes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 7]
         [--workload teacher-student|char-gpt|both] [--unit-health] [--hessian]
+
+The README's recording figures come from exactly
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py \
+        --workload teacher-student --reps 7
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py \
+        --workload char-gpt --steps 500 --reps 7
+
+with ``uptime`` run before and after each for the load average quoted beside them.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -76,11 +78,12 @@ class ParameterDisplacement(Probe):
         self._theta0: torch.Tensor | None = None
         self._buffers0: dict[str, torch.Tensor] | None = None  # {stored dtype: flat buffers}
         # θ_step, copied before a due step into one buffer preallocated at setup, and its
-        # per-tensor views; the difference from θ0 goes to a second preallocated buffer.
+        # per-tensor views; the difference from θ0 goes to a second preallocated buffer, whose
+        # per-tensor norms are taken over the strided views of norm_groups.
         self._before: torch.Tensor | None = None
         self._before_views: list[torch.Tensor] = []
         self._difference: torch.Tensor | None = None
-        self._difference_views: list[torch.Tensor] = []
+        self._difference_groups: list[tuple[slice, torch.Tensor]] = []
         self._copied = False  # whether _before holds this step's θ_step
         self._buffers_before: dict[str, torch.Tensor] = {}  # its buffers, on snapshot steps
 
@@ -100,7 +103,7 @@ class ParameterDisplacement(Probe):
         self._before = torch.empty_like(self._theta0)
         self._difference = torch.empty_like(self._theta0)
         self._before_views = self.layout.split(self._before)
-        self._difference_views = self.layout.split(self._difference)
+        self._difference_groups = norm_groups(self.layout.numels, self._difference)
         steps = trainer.estimated_stepping_batches
         # Lightning answers -1 (max_steps' default) for an iterable dataset of unknown length.
         self._expected_steps = steps if 0 < steps < math.inf else math.inf
@@ -193,12 +196,15 @@ class ParameterDisplacement(Probe):
                 **{names.buffer_vector(names.SNAPSHOT_BUFFERS, d): b for d, b in buffers.items()},
             }
         if super().is_due(step):
-            # θ_step − θ0 in one flat op, then one norm per tensor over its view; then
-            # θ_step − θ_step+1 in place, per tensor, and one norm of the whole buffer. Each
-            # value is the same float as from flat copies of θ (the same elements reduced in
-            # the same order), without concatenating the parameters twice a step.
+            # θ_step − θ0 in one flat op, then one norm kernel per group of equal-sized tensors
+            # (the same parameter of each block) over a strided view; then θ_step − θ_step+1 in
+            # place, per tensor, and one norm of the whole buffer. On the CPU each value is the
+            # same float as from flat copies of θ (the same elements reduced in the same order),
+            # without concatenating the parameters twice a step.
             torch.sub(self._before, self._theta0, out=self._difference)
-            per_tensor = torch.stack(torch._foreach_norm(self._difference_views))
+            per_tensor = self._difference.new_empty(len(self._params))
+            for tensors, view in self._difference_groups:
+                torch.linalg.vector_norm(view, dim=1, out=per_tensor[tensors])
             torch._foreach_sub_(self._before_views, self._params)
             rows[names.DISPLACEMENT] = {
                 names.DISPLACEMENT_TOTAL: torch.linalg.vector_norm(per_tensor),
@@ -276,3 +282,37 @@ class ParameterDisplacement(Probe):
             )
         # capacity - 1 intervals between capacity snapshots, the first at step 0.
         return max(1, math.ceil(self._expected_steps / (capacity - 1))), ""
+
+
+def norm_groups(numels: Sequence[int], flat: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+    """Strided ``(k, n)`` views of ``flat`` (the concatenation of tensors of sizes ``numels``),
+    each gathering k tensors of one size at a regular spacing in ``flat`` and in the tensor order
+    (the same parameter in each of k identical blocks), with the slice of tensor indices it holds.
+
+    One norm kernel over a view's rows replaces k calls, a tensor's row holding its elements in
+    the order a norm of the tensor alone reduces them.
+    """
+    offsets = list(itertools.accumulate(numels, initial=0))
+    runs: list[list[int]] = []
+    open_runs: dict[int, list[int]] = {}  # the run each size extends next
+    for i, numel in enumerate(numels):
+        run = open_runs.get(numel)
+        if run is not None and (
+            len(run) == 1
+            or (i - run[-1], offsets[i] - offsets[run[-1]])
+            == (run[1] - run[0], offsets[run[1]] - offsets[run[0]])
+        ):
+            run.append(i)
+            continue
+        open_runs[numel] = [i]
+        runs.append(open_runs[numel])
+    groups = []
+    for run in runs:
+        first, numel = run[0], numels[run[0]]
+        index_step = run[1] - first if len(run) > 1 else 1
+        spacing = offsets[run[1]] - offsets[first] if len(run) > 1 else numel
+        view = flat.as_strided(
+            (len(run), numel), (spacing, 1), flat.storage_offset() + offsets[first]
+        )
+        groups.append((slice(first, run[-1] + 1, index_step), view))
+    return groups

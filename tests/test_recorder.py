@@ -18,6 +18,7 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
+from dynamics.callbacks.parameter_displacement import norm_groups
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.params import ParameterLayout, parameter_vector, vector_hash
 
@@ -241,6 +242,38 @@ def test_a_validation_metric_never_logged_is_nan_with_one_warning_event(tmp_path
     validation = run.series("validation")
     assert np.isfinite(validation["val_loss"]).all() and np.isnan(validation["val_accuracy"]).all()
     assert [(e.step, e.kind) for e in run.events()] == [(2, "warning")]
+
+
+def test_grouped_norms_equal_each_tensors_own_norm_bit_for_bit():
+    """One strided norm kernel per group of equal-sized tensors (the same parameter of each
+    block) gives every tensor's norm exactly as a norm of that tensor alone: repeated blocks, a
+    size recurring at an irregular spacing, lone sizes, and a flat vector that is itself a view."""
+    numels = [64, 64, 16384, 256, 16384, 64] * 3 + [7, 64, 5, 64, 64, 300]
+    torch.manual_seed(0)
+    storage = torch.randn(sum(numels) + 3) * torch.rand(sum(numels) + 3) * 10
+    flat = storage[3:]
+    groups = norm_groups(numels, flat)
+    assert len(groups) < len(numels)
+    covered = sorted(i for tensors, _ in groups for i in range(len(numels))[tensors])
+    assert covered == list(range(len(numels)))
+    per_tensor = flat.new_empty(len(numels))
+    for tensors, view in groups:
+        torch.linalg.vector_norm(view, dim=1, out=per_tensor[tensors])
+    assert torch.equal(per_tensor, torch.stack([d.norm() for d in flat.split(numels)]))
+
+
+def test_lightning_skips_the_per_step_hooks_the_recorder_does_not_use(tmp_path):
+    """Lightning calls a callback's hook (in a profiler context) only when it is callable."""
+    from dynamics.callbacks.lightning import DynamicsRecorder as LightningRecorder
+
+    for recorder in (DynamicsRecorder(tmp_path / "a.h5"), LightningRecorder(tmp_path / "b.h5")):
+        for hook in (
+            "on_before_backward",
+            "on_after_backward",
+            "on_before_optimizer_step",
+            "on_before_zero_grad",
+        ):
+            assert not callable(getattr(recorder, hook))
 
 
 def test_buffered_rows_equal_direct_evaluation_at_every_step(tmp_path, quiet_trainer):
