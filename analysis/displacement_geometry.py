@@ -19,9 +19,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from dynamics.analysis.figures import Curve, line_figure
-from dynamics.analysis.plane_views import choose_plane, stored_checkpoints
 from dynamics.errors import DynamicsError
-from dynamics.plane import project
 from dynamics.store import Run, names
 
 
@@ -62,10 +60,17 @@ def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | st
     if reference.attrs.get(names.ATTR_LAYOUT) != run.attrs.get(names.ATTR_LAYOUT):
         return "the runs' parameter layouts differ"
     theta0 = reference.vector(names.THETA0)
-    try:
-        (steps_a, thetas_a), (steps_b, thetas_b) = map(stored_checkpoints, (reference, run))
-    except DynamicsError as error:
-        return str(error)
+    if theta0 is None or not np.isfinite(theta0).all():
+        return f"{reference.path.name}: θ0 not stored or not finite"
+    for each in (reference, run):
+        if each.recorded(names.SNAPSHOTS) is None or each.vector(names.THETA_FINAL) is None:
+            return f"{each.path.name}: no parameter snapshots or θT (ParameterDisplacement)"
+    # Imported only now: they import torch, which a compare of runs without snapshots, like
+    # every offline view, never loads.
+    from dynamics.analysis.plane_views import choose_plane, stored_checkpoints
+    from dynamics.plane import project
+
+    (steps_a, thetas_a), (steps_b, thetas_b) = map(stored_checkpoints, (reference, run))
     steps, ia, ib = np.intersect1d(steps_a, steps_b, return_indices=True)
     if not len(steps):
         return "the runs stored θt at no common step"
