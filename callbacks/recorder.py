@@ -427,11 +427,10 @@ class RecorderBase:
                     f"rows of {group!r} hold {sorted(values)}, but {sorted(declared)} were declared"
                 )
             for name, value in values.items():
-                # Tensors' shapes compare with tuples as they are: no conversion per row.
-                shape = value.shape if isinstance(value, torch.Tensor) else _shape(value)
-                if shape != declared[name].shape:
+                if _shape(value) != declared[name].shape:
                     raise ValueError(
-                        f"{group}/{name} has shape {_shape(value)}, declared {declared[name].shape}"
+                        f"{group}/{name} has shape {tuple(_shape(value))}, "
+                        f"declared {declared[name].shape}"
                     )
         return rows
 
@@ -592,9 +591,10 @@ def _edit_settings(edits: list[dict[str, Any]]) -> str:
 
 
 def _shape(value: Any) -> tuple[int, ...]:
-    """A row value's shape; read from tensors directly (``np.shape`` costs a dispatch per row)."""
+    """A row value's shape; read from tensors and arrays directly (``np.shape`` costs a
+    dispatch per row; a ``torch.Size`` compares with a tuple as it is)."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
-        return tuple(value.shape)
+        return value.shape
     return np.shape(value)
 
 
