@@ -3,8 +3,11 @@
 For runs compared with a reference, :func:`loss_barriers` evaluates the loss at
 θ(α) = (1 − α)·start + α·end for evenly spaced α in [0, 1] on three kinds of line: from the
 reference's θT to each other run's θT, and from θ0 to θT of every run. A line's barrier height
-is the largest loss along it minus the mean of the losses at its ends: zero or below when the
-ends are linearly connected (no bump between them), positive when the line climbs over a ridge.
+is the largest loss along it minus the mean of the losses at its ends (the usual definition:
+never below 0, and half the ends' difference on a line that only falls); its height above the
+chord, the largest L(α) − ((1 − α)·L(0) + α·L(1)), is 0 when the line never rises above the
+straight line joining its ends' losses (no bump between them) and positive when it climbs over
+a ridge.
 
 The loss is the one the plane views draw (:func:`~dynamics.analysis.plane_run.rebuilt_surface`):
 the model rebuilt from the run file, in eval mode, on the stored probe batch, by the loss rule
@@ -65,6 +68,15 @@ class LinePath:
     def barrier(self) -> float:
         """The largest loss along the line minus the mean of the losses at its ends."""
         return float(np.max(self.losses) - (self.losses[0] + self.losses[-1]) / 2)
+
+    @property
+    def above_chord(self) -> float:
+        """The largest height of the loss above the straight line between its ends'
+        losses, max over α of L(α) − ((1 − α)·L(0) + α·L(1)): 0 for a line that never rises
+        above its chord (e.g. a monotone or convex one), where :attr:`barrier` is still
+        half the ends' difference."""
+        chord = (1 - self.alphas) * self.losses[0] + self.alphas * self.losses[-1]
+        return float(np.max(self.losses - chord))
 
     @property
     def peak_alpha(self) -> float:
@@ -209,19 +221,30 @@ def _barrier_html(barriers: Barriers) -> str:
             f"{line.losses[-1]:.5g}",
             f"{np.max(line.losses):.5g} (α = {line.peak_alpha:.2f})",
             f"{line.barrier:.4g}",
+            f"{line.above_chord:.4g}",
             line.batch,
         )
         for line in barriers.lines
     ]
     parts = []
     if rows:
-        header = ("line", "loss at α = 0", "loss at α = 1", "max", "barrier", "probe batch of")
+        header = (
+            "line",
+            "loss at α = 0",
+            "loss at α = 1",
+            "max",
+            "barrier",
+            "above the chord",
+            "probe batch of",
+        )
         parts.append(html_table(header, rows))
         notes = dict.fromkeys(line.buffers for line in barriers.lines if line.buffers)
         parts.append(
             "<p class='note'>Loss at (1 − α)·start + α·end, the model rebuilt from the run "
             "file in eval mode on a run's stored probe batch; barrier: max along the line "
-            "minus the mean of its ends (≤ 0: no bump between them). "
+            "minus the mean of its ends (never below 0: half the ends' difference on a line "
+            "that only falls); above the chord: the largest height of the loss above the "
+            "straight line joining its ends' losses (0: no bump between them). "
             + " ".join(html.escape(note) for note in notes)
             + "</p>"
         )

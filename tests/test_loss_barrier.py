@@ -100,6 +100,14 @@ def test_line_losses_are_the_closed_form_quadratic(tmp_path):
         np.testing.assert_allclose(line.losses, expected, rtol=1e-5, atol=1e-6, err_msg=name)
         barrier = expected.max() - (expected[0] + expected[-1]) / 2
         assert abs(line.barrier - barrier) < 1e-5 * max(1.0, abs(barrier)), name
+        # Above the chord, in closed form: a·α² + b·α + c minus its chord is a·α(α − 1),
+        # largest at α = 1/2 (−a/4) when it curves down (a < 0), else 0 at the ends.
+        # (11 points: α = 1/2 is one of them.) a = 2·(f(0) + f(1) − 2·f(1/2)).
+        f0, f_half, f1 = closed_form(
+            start.astype(np.float64), end.astype(np.float64), np.array([0.0, 0.5, 1.0])
+        )
+        chord_height = max(-2 * (f0 + f1 - 2 * f_half) / 4, 0.0)
+        assert abs(line.above_chord - chord_height) < 1e-5 * max(1.0, chord_height), name
     between = lines["θT(slow) → θT(fast)"]
     assert between.barrier > 0.1 and 0 < between.peak_alpha < 1  # a real bump, inside
 
