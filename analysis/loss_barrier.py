@@ -3,7 +3,7 @@
 For runs compared with a reference, :func:`loss_barriers` evaluates the loss at
 θ(α) = (1 − α)·start + α·end for evenly spaced α in [0, 1] on three kinds of line: from the
 reference's θT to each other run's θT, and from θ0 to θT of every run. A line's barrier height
-is the largest loss along it minus the mean of the losses at its ends (the usual definition:
+is the largest loss along it minus the mean of the losses at its ends (so defined it is
 never below 0, and half the ends' difference on a line that only falls); its height above the
 chord, the largest L(α) − ((1 − α)·L(0) + α·L(1)), is 0 when the line never rises above the
 straight line joining its ends' losses (no bump between them) and positive when it climbs over
