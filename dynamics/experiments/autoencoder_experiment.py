@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from dynamics.callbacks import (
     BiasAudit,
     BiasComponent,
-    HessianSpectrum,
     HiddenStateNorms,
     LoggedMetrics,
     LossChangeSplit,
@@ -33,7 +32,7 @@ from dynamics.experiments.config import (
     check_shift_variants,
 )
 from dynamics.experiments.registry import Built, Experiment, Recording, register
-from dynamics.experiments.variants import shared_probe_batch
+from dynamics.experiments.variants import hessian_probes, shared_probe_batch
 from dynamics.store import names
 
 #: The 1,797 digits of scikit-learn.
@@ -175,14 +174,9 @@ class Autoencoder(Experiment[AutoencoderConfig]):
                 probes.append(
                     LossChangeSplit(every_n_steps=record.split_every_n_steps, batch=probe_batch)
                 )
-            if record.hessian_top_k:
-                probes.append(
-                    HessianSpectrum(
-                        k=record.hessian_top_k,
-                        every_n_steps=record.hessian_every_n_steps,
-                        batch=probe_batch,
-                    )
-                )
+            probes += hessian_probes(
+                record.hessian_top_k, record.hessian_every_n_steps, probe_batch
+            )
             recordings[variant] = Recording(probes, record.flush_interval_s)
         return recordings
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamics.callbacks import (
-    HessianSpectrum,
     HiddenStateNorms,
     LoggedMetrics,
     ParameterDisplacement,
@@ -22,6 +21,7 @@ from dynamics.callbacks import (
 )
 from dynamics.experiments.config import ConfigError, check_positive, check_shift_variants
 from dynamics.experiments.registry import Recording
+from dynamics.experiments.variants import hessian_probes
 from dynamics.models import ACTIVATION_MODULES
 
 #: The residual stream after each block: the blocks' outputs (HiddenStateNorms' own default on
@@ -103,13 +103,6 @@ def transformer_recordings(
             ParameterDisplacement(every, snapshot_budget_mb=record.snapshot_budget_mb),
             LoggedMetrics(metrics),
         ]
-        if record.hessian_top_k:
-            probes.append(
-                HessianSpectrum(
-                    k=record.hessian_top_k,
-                    every_n_steps=record.hessian_every_n_steps,
-                    batch=probe_batch,
-                )
-            )
+        probes += hessian_probes(record.hessian_top_k, record.hessian_every_n_steps, probe_batch)
         recordings[variant] = Recording(probes, record.flush_interval_s)
     return recordings

@@ -12,7 +12,6 @@ from typing import Any
 
 from dynamics.callbacks import (
     GradientPlane,
-    HessianSpectrum,
     HiddenStateNorms,
     LoggedMetrics,
     ParameterDisplacement,
@@ -22,6 +21,7 @@ from dynamics.errors import DynamicsError
 from dynamics.experiments.registry import Built, Experiment, Recording, register
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
 from dynamics.experiments.teacher_student_config import TeacherStudentConfig
+from dynamics.experiments.variants import hessian_probes
 from dynamics.initial_gradient import initial_gradient
 from dynamics.params import ParameterLayout, parameter_vector
 from dynamics.plane import Plane, plane_from_gradients
@@ -65,14 +65,9 @@ class TeacherStudent(Experiment[TeacherStudentConfig]):
                 LoggedMetrics([names.VAL_LOSS]),
                 GradientPlane(basis=plane, batch=probe_batch, every_n_steps=every),
             ]
-            if record.hessian_top_k:
-                probes.append(
-                    HessianSpectrum(
-                        k=record.hessian_top_k,
-                        every_n_steps=record.hessian_every_n_steps,
-                        batch=probe_batch,
-                    )
-                )
+            probes += hessian_probes(
+                record.hessian_top_k, record.hessian_every_n_steps, probe_batch
+            )
             recordings[variant] = Recording(probes, record.flush_interval_s)
         return recordings
 

@@ -1,4 +1,5 @@
-"""What the shift experiments' variants share: one θ0 whatever the shift, one probe batch."""
+"""What the shift experiments' variants share: one θ0 whatever the shift, one probe batch,
+the curvature probe their record section asks for."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from dynamics.bias import shift_activations
+from dynamics.callbacks import HessianSpectrum
 from dynamics.experiments.registry import Built
 
 NetworkT = TypeVar("NetworkT", bound=nn.Module)
@@ -41,3 +43,11 @@ def shared_probe_batch(built: Mapping[str, Built]) -> Any:
     data = next(iter(built.values())).data
     data.setup("fit")
     return next(iter(data.train_dataloader()))
+
+
+def hessian_probes(top_k: int, every_n_steps: int, probe_batch: Any) -> list[HessianSpectrum]:
+    """The top-``top_k`` Hessian probe on the shared probe batch, or none when ``top_k`` is 0
+    (an experiment's ``record.hessian_top_k``)."""
+    if not top_k:
+        return []
+    return [HessianSpectrum(k=top_k, every_n_steps=every_n_steps, batch=probe_batch)]
