@@ -68,7 +68,7 @@ def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | st
     # Imported only now: they import torch, which a compare of runs without snapshots, like
     # every offline view, never loads.
     from dynamics.analysis.plane_views import choose_plane, stored_checkpoints
-    from dynamics.plane import project
+    from dynamics.plane import in_plane_shares, project
 
     (steps_a, thetas_a), (steps_b, thetas_b) = map(stored_checkpoints, (reference, run))
     steps, ia, ib = np.intersect1d(steps_a, steps_b, return_indices=True)
@@ -85,16 +85,10 @@ def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | st
     except DynamicsError as error:
         return DisplacementGeometry(steps, cosine, (), f"no in-plane share: {error}")
     in_plane = tuple(
-        (s, _in_plane_shares(*project(plane, thetas)))
+        (s, in_plane_shares(*project(plane, thetas)))
         for s, thetas in ((steps_a, thetas_a), (steps_b, thetas_b))
     )
     return DisplacementGeometry(steps, cosine, in_plane)
-
-
-def _in_plane_shares(a: np.ndarray, b: np.ndarray, r: np.ndarray) -> np.ndarray:
-    inside = a * a + b * b
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return inside / (inside + r * r)  # NaN where the run has not moved
 
 
 def displacement_cells(geometry: DisplacementGeometry | str) -> tuple[str, str, str]:

@@ -26,7 +26,7 @@ from dynamics.isolation import Mode, checked_mode
 from dynamics.loss_rule import module_loss
 from dynamics.nearest_buffers import NearestBuffers
 from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.plane import Grid, Plane, project
+from dynamics.plane import Grid, Plane, in_plane_shares, project
 
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]
 #: Called with ``(first_row, rows)`` as each chunk of a heatmap's rows is finished.
@@ -356,9 +356,7 @@ def trajectory(
 
 def in_plane_share(trajectory: Trajectory) -> float:
     """The share (a² + b²)/‖θT − θ0‖² of a trajectory's last point inside its plane."""
-    a, b, r = trajectory.a[-1], trajectory.b[-1], trajectory.r[-1]
-    total = a * a + b * b + r * r
-    return float((a * a + b * b) / total) if total > 0 else float("nan")
+    return float(in_plane_shares(trajectory.a[-1], trajectory.b[-1], trajectory.r[-1]))
 
 
 def _all_gathered(local: torch.Tensor, per_rank: int) -> torch.Tensor:

@@ -337,6 +337,15 @@ def project(plane: Plane, thetas: ArrayLike) -> tuple[np.ndarray, np.ndarray, np
     return coords[:, 0], coords[:, 1], coords[:, 2]
 
 
+def in_plane_shares(a: ArrayLike, b: ArrayLike, r: ArrayLike) -> np.ndarray:
+    """The share (a² + b²)/(a² + b² + r²) of each displacement inside the plane, from the
+    coordinates :func:`project` gives; NaN where θ = θ0."""
+    a, b, r = (np.asarray(x, dtype=np.float64) for x in (a, b, r))
+    inside = a * a + b * b
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return inside / (inside + r * r)
+
+
 def out_of_plane_view(plane: Plane, theta_final: ArrayLike) -> tuple[Plane, float]:
     """The paper's second view: the plane of a run's in-plane and out-of-plane motion.
 
