@@ -274,36 +274,14 @@ def _replay_shift(run: Run, module: nn.Module, edit: Mapping[str, Any]) -> None:
 
 def _check_submodules(run: Run, module: nn.Module) -> None:
     """Refuse a rebuilt model whose submodules differ in class or settings from the run's."""
-    recorded = run.attrs.get(names.ATTR_SUBMODULES)
-    if not isinstance(recorded, dict):
-        return  # not recorded: the layout check is all there is
-    # The class's own name: a class loaded from a file lives in a module of another name.
-    rebuilt = {
-        name: [type(child).__name__, child.extra_repr()]
-        for name, child in module.named_modules()
-        if name
-    }
-    recorded = {name: [path.rsplit(".", 1)[-1], text] for name, (path, text) in recorded.items()}
-    differing = [
-        n for n in sorted(rebuilt.keys() | recorded.keys()) if rebuilt.get(n) != recorded.get(n)
-    ]
+    differing = run.submodule_differences(module)
     if differing:
-        shown = "; ".join(
-            f"{n}: {_module_text(recorded.get(n))} in the run, {_module_text(rebuilt.get(n))} "
-            "rebuilt"
-            for n in differing[:3]
-        )
-        more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
         raise DynamicsError(
             f"{run.path.name}: the rebuilt model's submodules differ from the run's "
-            f"({shown}{more}); was the model edited after it was built (shift_activations in "
+            f"({differing}); was the model edited after it was built (shift_activations in "
             "the training script)? Shift it with the ShiftActivations callback, or pass "
             "--model a factory that builds it as trained"
         )
-
-
-def _module_text(record: list[str] | None) -> str:
-    return "absent" if record is None else f"{record[0]}({record[1]})"
 
 
 def _init_parameters(cls: type) -> list[str]:

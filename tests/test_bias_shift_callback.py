@@ -39,7 +39,7 @@ from dynamics.callbacks import (
 )
 from dynamics.errors import DynamicsError
 from dynamics.loss_rule import module_loss
-from dynamics.params import parameter_vector, vector_hash
+from dynamics.params import load_state, parameter_vector, vector_hash
 from dynamics.rebuild import probe_batch, rebuild_module
 from dynamics.store import RunFileError
 
@@ -339,9 +339,14 @@ def test_rebuilt_model_is_shifted_again_and_its_loss_at_theta_final_is_the_train
     assert rebuilt.features[2].phi.inplace and rebuilt.features[2].shift == variant
     run.load_into(rebuilt)
     assert eval_loss(rebuilt, batch) == trained
-    # What a rebuild without the shift gave: another loss, silently.
+    # The same parameters without the shift compute another loss: loading them into the
+    # unshifted class is refused, the model left as it was.
     unshifted = DictCNN()
-    run.load_into(unshifted)
+    untouched = [p.detach().clone() for p in unshifted.parameters()]
+    with pytest.raises(DynamicsError, match=r"submodules differ .*ShiftedActivation"):
+        run.load_into(unshifted)
+    assert all(torch.equal(p, q) for p, q in zip(unshifted.parameters(), untouched))
+    load_state(unshifted, run.stored_states()[-1].theta, run.layout)
     assert abs(eval_loss(unshifted, batch) - trained) > 1e-4
     if variant == "expected":
         assert rebuilt.features[2].constant == RELU_C == run.model_edits[0]["table"][0]["c"]

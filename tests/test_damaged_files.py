@@ -137,7 +137,12 @@ def _api_calls(run) -> list:
     for group in run.groups:
         calls += [lambda g=group: run.series(g).to_pandas(long=True), lambda g=group: run.views(g)]
     calls += [lambda n=name: run.vector(n) for name in run.vector_names]
-    calls += [lambda: run.load_into(TeacherStudentModule(**ARCHITECTURE))]
+    # Into the run's own variant: the unshifted class is refused for a shifted run.
+    calls += [
+        lambda: run.load_into(
+            TeacherStudentModule(**ARCHITECTURE, shift=run.config.get("shift", "none"))
+        )
+    ]
     draws = (figures.loss, figures.hidden_norms, figures.eigenvalues, figures.displacement)
     draws += (figures.plane_path, figures.plane_share)
     # First: a group drawn by a dedicated figure is refused by figures.group, in one line.

@@ -253,7 +253,9 @@ def test_load_into_loads_the_nearest_stored_state(bn_runs):
         assert torch.equal(dict(fresh.named_buffers())[name], buffer), name
     for p, q in zip(layout.parameters(fresh), layout.parameters(module)):
         assert torch.equal(p, q)
-    with pytest.raises(DynamicsError, match="differs from the run's"):
+    with pytest.raises(
+        DynamicsError, match=r"submodules differ from the run's \(conv: Conv2d\(1, 4"
+    ):
         run.load_into(BatchNormDictCNN(channels=5))
 
 

@@ -292,7 +292,8 @@ class Run:
 
         Raises:
             RunFileError: the run stores no θ0 or no parameter layout.
-            DynamicsError: the model's parameters or buffers differ from the run's.
+            DynamicsError: the model's parameters, buffers or submodules (class and settings,
+                e.g. a shifted activation) differ from the run's.
 
         Warns:
             UserWarning: the model has persistent buffers and the run recorded none: the model
@@ -302,6 +303,15 @@ class Run:
 
         if self.layout is None:
             raise RunFileError(f"{self.path.name}: no parameter layout recorded")
+        differing = self.submodule_differences(model)
+        if differing:
+            # The same parameters in a module of other activations (a run shifted by
+            # ShiftActivations loaded into the unshifted class) compute other losses silently.
+            raise DynamicsError(
+                f"{self.path.name}: the model's submodules differ from the run's "
+                f"({differing}); load into dynamics.rebuild.rebuild_module(run), which replays "
+                "what callbacks did to the module at fit time"
+            )
         states = self.stored_states()
         state = states[-1] if step is None else min(states, key=lambda s: abs(s.step - step))
         try:
@@ -315,6 +325,34 @@ class Run:
                 f"{self.path.name}: no buffers recorded; the model keeps its own", stacklevel=2
             )
         return state
+
+    def submodule_differences(self, model: nn.Module) -> str:
+        """Where ``model``'s submodules differ in class or settings from those the run
+        recorded at fit time, as text naming the first three; ``""`` when they agree or the
+        run recorded none (files from before they were recorded).
+
+        Classes are compared by their own name: a class loaded from a file lives in a module
+        of another name than the training script's.
+        """
+        recorded = self.attrs.get(names.ATTR_SUBMODULES)
+        if not isinstance(recorded, dict):
+            return ""
+        found = {
+            name: [type(child).__name__, child.extra_repr()]
+            for name, child in model.named_modules()
+            if name
+        }
+        recorded = {
+            name: [path.rsplit(".", 1)[-1], text] for name, (path, text) in recorded.items()
+        }
+        differing = [
+            n for n in sorted(found.keys() | recorded.keys()) if found.get(n) != recorded.get(n)
+        ]
+        shown = "; ".join(
+            f"{n}: {_module_text(recorded.get(n))} in the run, {_module_text(found.get(n))} here"
+            for n in differing[:3]
+        )
+        return shown + (f"; and {len(differing) - 3} more" if len(differing) > 3 else "")
 
     def _buffer_dtypes(self) -> tuple[str, ...]:
         return self.buffer_layout.stored_dtypes if self.buffer_layout is not None else ()
@@ -873,3 +911,7 @@ def _complete_rows(step: np.ndarray, lengths: list[int]) -> int:
     written = step[:n] != UNWRITTEN_STEP
     increasing = np.concatenate([[True], np.diff(step[:n]) > 0])
     return int(np.argmin(written & increasing)) if not (written & increasing).all() else n
+
+
+def _module_text(record: list[str] | None) -> str:
+    return "absent" if record is None else f"{record[0]}({record[1]})"
