@@ -7,7 +7,8 @@ from pytorch_lightning.callbacks import Callback
 
 from dynamics.bias.init import BiasSet, check_recipe, init_biases
 from dynamics.callbacks.fit_description import plain
-from dynamics.rebuild import class_path
+from dynamics.errors import DynamicsError
+from dynamics.rebuild import builds_in_configure_model, class_path
 from dynamics.store import names
 
 
@@ -42,6 +43,14 @@ class InitBiasesBase:
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            if builds_in_configure_model(pl_module):
+                # Its layers do not exist yet and would keep their default biases; set after
+                # the optimizer is built, a random recipe would differ between DDP ranks.
+                raise DynamicsError(
+                    f"InitBiases sets biases at setup, before {type(pl_module).__name__}."
+                    "configure_model builds its layers; call dynamics.bias.init_biases(self, "
+                    f"{self.recipe!r}, ...) at the end of configure_model instead"
+                )
             self.table = init_biases(pl_module, self.recipe, **self.options)
 
     def dynamics_edit(self) -> dict[str, Any] | None:

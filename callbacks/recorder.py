@@ -571,7 +571,12 @@ class DynamicsRecorder(RecorderBase, Callback):
 
 
 def _model_edits(trainer: pl.Trainer) -> list[dict[str, Any]]:
-    """The records of the callbacks that edited the module (``dynamics_edit()``), in order."""
+    """The records of the callbacks that edited the module (``dynamics_edit()``), in order,
+    once each has completed an edit it deferred past ``configure_model``
+    (``complete_edit``), whatever the callbacks' order."""
+    for callback in trainer.callbacks:
+        if callable(getattr(callback, "complete_edit", None)):
+            callback.complete_edit(trainer.lightning_module)
     return [
         edit
         for callback in trainer.callbacks

@@ -12,7 +12,7 @@ from torch import nn
 
 from dynamics.bias.shift import ShiftTable, check_shift_settings, shift_activations
 from dynamics.errors import DynamicsError
-from dynamics.rebuild import class_path
+from dynamics.rebuild import builds_in_configure_model, class_path
 from dynamics.store import names
 
 
@@ -28,11 +28,16 @@ class ShiftActivationsBase:
 
     ``setup`` runs before every ``on_fit_start``, so the module is shifted before the recorder
     records θ0, whatever the order of the callbacks (shifting changes no parameter: θ0 is the
-    same). It shifts at every stage (fit, validate, test, predict), since the model must compute
-    what it trained with; a module it has shifted already is left alone, so a second ``setup``
-    (``trainer.validate`` after ``trainer.fit``) never shifts twice. A checkpoint holds
-    parameters only and the shift has none: a fit resumed from one (``ckpt_path=``) is shifted
-    again at its setup, as its config lists this callback, and continues as if never stopped.
+    same). A module that builds layers in ``configure_model`` (Lightning's hook for large
+    models, called after ``setup``) is shifted once they exist instead: when fitting,
+    validating, testing or predicting starts, or earlier when the recorder asks
+    (:meth:`complete_edit`) — an activation holds no parameter, so the optimizer built in
+    between is unaffected. It shifts at every stage (fit, validate, test, predict), since the
+    model must compute what it trained with; a module it has shifted already is left alone, so a
+    second ``setup`` (``trainer.validate`` after ``trainer.fit``) never shifts twice. A
+    checkpoint holds parameters only and the shift has none: a fit resumed from one
+    (``ckpt_path=``) is shifted again at its setup, as its config lists this callback, and
+    continues as if never stopped.
     What was done is kept in ``table`` and stored in the run file by the recorder (see
     :meth:`dynamics_edit`), and ``dynamics plane`` shifts the model it rebuilds the same way.
 
@@ -73,6 +78,23 @@ class ShiftActivationsBase:
         self._shifted: weakref.ref[nn.Module] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not builds_in_configure_model(pl_module):
+            self.complete_edit(pl_module)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.complete_edit(pl_module)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.complete_edit(pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.complete_edit(pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.complete_edit(pl_module)
+
+    def complete_edit(self, pl_module: nn.Module) -> None:
+        """Shift ``pl_module`` unless it is shifted already (by this callback: once only)."""
         if self._shifted is not None and self._shifted() is pl_module:
             return
         table = shift_activations(

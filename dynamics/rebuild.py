@@ -156,7 +156,26 @@ def _built(target: Any, args: Mapping[str, Any], where: str) -> nn.Module:
         raise DynamicsError(f"{where}{name}(...) failed: {one_line(error)}") from None
     if not isinstance(module, nn.Module):
         raise DynamicsError(f"{where}{name}(...) returned {type(module).__name__}")
+    if builds_in_configure_model(module):
+        # Lightning builds these layers when a fit starts; offline, nothing else would.
+        try:
+            module.configure_model()
+        except Exception as error:
+            raise DynamicsError(
+                f"{where}{name}.configure_model() failed: {one_line(error)}"
+            ) from None
     return module
+
+
+def builds_in_configure_model(module: nn.Module) -> bool:
+    """Whether the LightningModule's class defines ``configure_model``: layers Lightning builds
+    after the callbacks' ``setup``, when a fit (or validation, test, prediction) starts."""
+    for cls in type(module).__mro__:
+        if cls.__module__.split(".")[0] in ("pytorch_lightning", "lightning"):
+            return False
+        if "configure_model" in vars(cls):
+            return True
+    return False
 
 
 def probe_batch(run: Run) -> Any:

@@ -33,6 +33,7 @@ from dynamics.bias import shift_activations
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,
+    InitBiases,
     ParameterDisplacement,
     ShiftActivations,
     TrainingLoss,
@@ -511,3 +512,71 @@ def test_plane_of_a_script_model_replays_its_shift(tmp_path, dynamics):
             loss = view[f"trajectory/{name}"]["loss"][-1]
             assert loss == pytest.approx(trained[name], rel=1e-6, abs=0), name
     assert trained["shifted"] != pytest.approx(trained["plain"], rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# A module that builds its layers in configure_model (Lightning's hook for large models)
+
+
+class LateMLP(pl.LightningModule):
+    """One GELU built in ``__init__``, the rest in ``configure_model`` (after ``setup``)."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.stem = nn.Sequential(nn.Linear(4, 8), nn.GELU())
+        self.body: nn.Sequential | None = None
+
+    def configure_model(self) -> None:
+        if self.body is None:  # idempotent, as Lightning asks
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.body(self.stem(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self):
+        return regression_batches()
+
+
+@pytest.mark.parametrize("recorder_first", [True, False])
+def test_layers_built_in_configure_model_are_shifted_and_recorded(tmp_path, recorder_first):
+    """Every activation is shifted, the late ones included, before the recorder stores the
+    edits (whatever the callbacks' order); training equals that of the model shifted by hand
+    in configure_model; the rebuilt model (configure_model called offline) has the trained
+    loss at θT."""
+    torch.manual_seed(0)
+    module = LateMLP()
+    recorder = DynamicsRecorder(tmp_path / "late.h5", [TrainingLoss(), ParameterDisplacement()])
+    shift = ShiftActivations("expected")
+    callbacks = [recorder, shift] if recorder_first else [shift, recorder]
+    quiet(max_steps=3, callbacks=callbacks).fit(module)
+    assert isinstance(module.stem[1], ShiftedActivation)
+    assert isinstance(module.body[1], ShiftedActivation)
+    run = open_run(tmp_path / "late.h5")
+    (edit,) = run.model_edits
+    assert {row["module"] for row in edit["table"] if row["replaced"]} == {"stem.1", "body.1"}
+
+    class ShiftedByHand(LateMLP):
+        def configure_model(self) -> None:
+            super().configure_model()
+            shift_activations(self, "expected")
+
+    torch.manual_seed(0)
+    by_hand = ShiftedByHand()
+    quiet(max_steps=3).fit(by_hand)
+    for p, q in zip(module.parameters(), by_hand.parameters()):
+        assert torch.equal(p, q)
+
+    rebuilt = rebuild_module(run, model=f"{THIS_FILE}:LateMLP")
+    run.load_into(rebuilt)
+    batch = next(iter(regression_batches()))
+    assert module_loss(rebuilt, batch).item() == module_loss(module, batch).item()
+
+
+def test_init_biases_refuses_a_module_that_builds_layers_in_configure_model(tmp_path):
+    with pytest.raises(DynamicsError, match="before LateMLP.configure_model builds its layers"):
+        quiet(max_steps=1, callbacks=[InitBiases("zeros")]).fit(LateMLP())
