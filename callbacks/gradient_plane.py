@@ -298,9 +298,12 @@ class GradientPlane(Probe):
 
     def _batch_arrays(self) -> list[tuple[str, np.ndarray]]:
         _, leaves = flatten_batch(self._loss.batch)
+        # Half-precision leaves (a bf16-true fit's inputs) as float32, exactly: numpy and run
+        # files have no bfloat16; the offline views evaluate the loss in float64 anyway.
+        half = (torch.bfloat16, torch.float16)
         return [
-            (f"{names.PROBE_BATCH_PREFIX}{i}", t.detach().cpu().numpy())
-            for i, t in enumerate(leaves)
+            (f"{names.PROBE_BATCH_PREFIX}{i}", (t.float() if t.dtype in half else t).cpu().numpy())
+            for i, t in enumerate(t.detach() for t in leaves)
         ]
 
     def _padded(self, values: np.ndarray) -> np.ndarray:

@@ -198,8 +198,11 @@ def _storage(dtype: str) -> str:
 
 
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Concatenate tensors into one detached flat vector (a copy)."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+    """Concatenate tensors into one detached flat vector (a copy); half-precision tensors (a
+    "bf16-true" fit's parameters) become float32, exactly: numpy and run files have no
+    bfloat16, and differences of half-precision vectors would be rounded to it."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    return flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
 
 
 def parameter_vector(module: nn.Module, layout: ParameterLayout | None = None) -> torch.Tensor:
@@ -235,5 +238,6 @@ def load_state(
 
 def vector_hash(vector: torch.Tensor | np.ndarray) -> str:
     """SHA-256 of a vector's float32 little-endian bytes: equal hashes mean bit-equal θ0."""
-    array = vector.detach().cpu().numpy() if isinstance(vector, torch.Tensor) else vector
+    # Through float32 in torch: numpy has no bfloat16.
+    array = vector.detach().float().cpu().numpy() if isinstance(vector, torch.Tensor) else vector
     return hashlib.sha256(np.ascontiguousarray(array, dtype="<f4").tobytes()).hexdigest()
