@@ -217,9 +217,12 @@ def test_accumulation_and_clipping_use_the_gradient_the_optimizer_was_handed(tmp
 
 
 def test_manual_optimization_records_the_path_and_says_why_not_the_gradient(tmp_path):
-    run = fit(ManualQuadratic(), tmp_path / "run.h5", [TrajectoryGeometry()], max_steps=4)
+    probe = TrajectoryGeometry(per_tensor=True)
+    run = fit(ManualQuadratic(), tmp_path / "run.h5", [probe], max_steps=4)
     recorded = run.series(names.TRAJECTORY)
     assert names.TRAJECTORY_GRADIENT_COSINE not in recorded.values
+    assert GRADIENT_COSINE_PER_TENSOR not in recorded.values
+    assert PATH_LENGTH_PER_TENSOR in recorded.values  # checked against the hand computation
     assert_rows(run, hand_computed(4, batch_size=2), [0, 1, 2, 3])
     (probe,) = run.attrs[names.ATTR_PROBES]
     assert probe["settings"]["gradient"].startswith("not measured: manual optimization")
