@@ -57,7 +57,7 @@ from dynamics.analysis.figures import (
     loss,
     run_colors,
 )
-from dynamics.analysis.loss_barrier import POINTS, barrier_section, loss_barriers
+from dynamics.analysis.loss_barrier import POINTS, HeldOutBatch, barrier_section, loss_barriers
 from dynamics.analysis.output import check_output
 from dynamics.analysis.overshoot import OvershootReport
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, slug, write_page
@@ -88,6 +88,7 @@ def write_comparison(
     model: str | None = None,
     init_args: dict | None = None,
     trust_recorded_model: bool = False,
+    barrier_batch: HeldOutBatch | None = None,
 ) -> Written:
     """Write one self-contained HTML page comparing runs with the first one.
 
@@ -106,6 +107,9 @@ def write_comparison(
             (see :func:`~dynamics.rebuild.rebuild_module`).
         init_args: init args completing or overriding the recorded ones.
         trust_recorded_model: import a recorded class from outside the installed packages.
+        barrier_batch: evaluate the loss barriers on this batch (see
+            :func:`~dynamics.analysis.loss_barrier.load_batch`) instead of the runs' stored
+            probe batches.
 
     Returns:
         What was written.
@@ -113,8 +117,8 @@ def write_comparison(
     Raises:
         DynamicsError: fewer than two runs, a file that is not a readable run file, a run
             without a training or held-out loss, an output in a missing or unwritable folder,
-            an existing output without ``overwrite``, or an output that is one of the inputs.
-            Nothing is written then.
+            an existing output without ``overwrite``, an output that is one of the inputs, or
+            a ``barrier_batch`` a rebuilt model cannot take. Nothing is written then.
     """
     run_paths = run_files(run_paths)  # a directory gives its run files
     if len(run_paths) < 2:
@@ -149,6 +153,7 @@ def write_comparison(
             model=model,
             init_args=init_args,
             trust_recorded_model=trust_recorded_model,
+            held_out=barrier_batch,
         )
         section, figure = barrier_section(barriers, labels, len(figures))
         body.append(section)

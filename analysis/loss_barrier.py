@@ -18,13 +18,23 @@ final buffers; it is drawn only for runs whose recorded models agree in class, m
 submodules (a shifted and an unshifted network are two loss functions: no line joins them in
 one). A run whose model cannot be rebuilt, or that stores no probe batch, θ0 or θT,
 gets a one-line remark instead of its lines; the comparison goes on.
+
+A held-out batch (:func:`load_batch`, from a file ``torch.save`` wrote) replaces the probe
+batches on every line, and then no probe batch is needed; a rebuilt model that cannot take it
+is an error, not a remark, since the batch is the user's input. The table names each line's
+batch with its size.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+import os
+import pickle
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import plotly.graph_objects as go
@@ -32,8 +42,11 @@ import plotly.graph_objects as go
 from dynamics.analysis.comparison import NOT_RECORDED, SAME, comparability
 from dynamics.analysis.figures import Curve, line_figure, run_colors
 from dynamics.analysis.page import figure_html, html_table
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, one_line
 from dynamics.store import Run, names
+
+if TYPE_CHECKING:
+    from dynamics.landscape import LossSurface
 
 #: Points evaluated along each line, the ends included (α = 0, 0.05, ..., 1).
 POINTS = 21
@@ -52,7 +65,8 @@ class LinePath:
         between_runs: a line between two runs' θT (drawn dashed), not θ0 → θT of one.
         alphas: the interpolation coefficients, from 0 (the start) to 1 (the end).
         losses: the loss at each α.
-        batch: whose probe batch and model the losses are computed with.
+        batch: the batch the losses are computed on, with its size: a run's probe batch (the
+            model is that run's) or the held-out batch.
         buffers: which buffers the points use (empty when the model has none).
     """
 
@@ -85,11 +99,62 @@ class LinePath:
 
 
 @dataclass(frozen=True)
+class HeldOutBatch:
+    """A batch given by the user that every line is evaluated on instead of the probe batches.
+
+    Attributes:
+        batch: what the loss rule is handed: a tensor, or dicts, lists and tuples of them.
+        name: what the page calls it, with its size, e.g. ``held-out batch val.pt (64 samples)``.
+    """
+
+    batch: Any
+    name: str
+
+
+@dataclass(frozen=True)
 class Barriers:
     """The lines evaluated between compared runs, and why any could not be."""
 
     lines: list[LinePath]
     remarks: list[str]
+
+
+def load_batch(path: str | os.PathLike) -> HeldOutBatch:
+    """A batch saved with ``torch.save``: a tensor, or dicts, lists and tuples of tensors (and
+    numbers, strings, None), loaded to the CPU with ``weights_only=True``, so that a file
+    holding any other object is refused without running its code.
+
+    Raises:
+        DynamicsError: no such file, not a file ``torch.save`` wrote, one holding other
+            objects (pickled classes, named tuples, sizes, devices) or no tensor at all.
+    """
+    import torch
+
+    path = Path(path)
+    where = f"barrier batch {path}"
+    if not path.is_file():
+        raise DynamicsError(f"{where}: no such file")
+    try:
+        batch = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        # torch's message is a page of advice; the object it refused is what the user needs.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        if found is None:  # not a pickle, or one weights_only=True cannot read
+            raise DynamicsError(
+                f"{where}: not a file torch.save wrote of tensors in dicts, lists and tuples "
+                "(torch.load with weights_only=True refused it)"
+            ) from None
+        raise DynamicsError(
+            f"{where}: refused, it holds a pickled {found.group(1)}, not only tensors in "
+            "dicts, lists and tuples (loaded with weights_only=True, which never runs a "
+            "file's code)"
+        ) from None
+    except Exception as error:  # torch.load's errors on a damaged or foreign file vary
+        raise DynamicsError(f"{where}: not a file torch.save wrote ({one_line(error)})") from None
+    tensors = _batch_tensors(batch, where)
+    if not tensors:
+        raise DynamicsError(f"{where}: holds no tensor, so it is no batch")
+    return HeldOutBatch(batch, f"held-out batch {path.name} ({_size(tensors)})")
 
 
 def line_losses(surface, start: np.ndarray, end: np.ndarray, alphas: np.ndarray) -> np.ndarray:
@@ -107,6 +172,7 @@ def loss_barriers(
     model: str | None = None,
     init_args: dict | None = None,
     trust_recorded_model: bool = False,
+    held_out: HeldOutBatch | None = None,
 ) -> Barriers:
     """The loss along θT(reference) → θT(run) for every other run, and θ0 → θT of each run.
 
@@ -117,12 +183,14 @@ def loss_barriers(
         model: build each run's model with this class or factory instead of the recorded one.
         init_args: init args completing or overriding the recorded ones.
         trust_recorded_model: import a recorded class from outside the installed packages.
+        held_out: evaluate every line on this batch instead of the runs' probe batches.
 
     Returns:
         The lines evaluated, and a one-line remark for each run or pair that could not be.
 
     Raises:
-        DynamicsError: ``points`` below 2.
+        DynamicsError: ``points`` below 2, or a rebuilt model cannot take ``held_out``
+            (:class:`~dynamics.analysis.plane_run.BatchRefused`).
     """
     if points < 2:
         raise DynamicsError(f"a loss-barrier line needs at least 2 points, got {points}")
@@ -131,7 +199,7 @@ def loss_barriers(
     candidates = []  # (run, label) of the runs that store what a line needs
     lacking: dict[str, list[str]] = {}  # what is missing: the runs that lack it
     for run, label in zip(runs, labels):
-        missing = _missing(run)
+        missing = _missing(run, need_probe_batch=held_out is None)
         if missing:
             lacking.setdefault(missing, []).append(label)
         else:
@@ -143,14 +211,35 @@ def loss_barriers(
     if not candidates:
         return Barriers(lines, remarks)
     # Imported only now: a comparison of runs without lines to draw never loads torch.
-    from dynamics.analysis.plane_run import rebuilt_surface
+    from dynamics.analysis.plane_run import BatchRefused, rebuilt_surface
+    from dynamics.rebuild import probe_batch
+
+    def surface_of(run: Run, label: str, buffers_of: Sequence[Run] = ()) -> tuple[LossSurface, str]:
+        """The run's rebuilt loss surface on its batch, and what the batch is."""
+        if held_out is not None:
+            batch, name = held_out.batch, held_out.name
+        else:
+            batch = probe_batch(run)
+            name = f"stored probe batch of {label} ({_size(_batch_tensors(batch, label))})"
+        surface = rebuilt_surface(
+            run,
+            model,
+            init_args,
+            trust_recorded_model,
+            buffers_of=buffers_of,
+            batch=batch,
+            batch_name=f"the {name}",
+        )
+        return surface, name
 
     usable = {}  # label: run, for the runs whose own line could be evaluated
     for run, label in candidates:
         try:
             theta0, theta_final = _endpoints(run)
-            surface = rebuilt_surface(run, model, init_args, trust_recorded_model)
+            surface, batch_name = surface_of(run, label)
         except DynamicsError as error:
+            if held_out is not None and isinstance(error, BatchRefused):
+                raise  # the user's batch: an error, not a remark
             remarks.append(f"no loss barrier for {label}: {error}")
             continue
         usable[label] = run
@@ -161,7 +250,7 @@ def loss_barriers(
                 False,
                 alphas,
                 line_losses(surface, theta0, theta_final, alphas),
-                label,
+                batch_name,
                 surface.buffer_note,
             )
         )
@@ -179,10 +268,10 @@ def loss_barriers(
             remarks.append(f"no θT line {first} → {label}: {differs}")
             continue
         try:
-            surface = rebuilt_surface(
-                reference, model, init_args, trust_recorded_model, buffers_of=[reference, run]
-            )
+            surface, batch_name = surface_of(reference, first, buffers_of=[reference, run])
         except DynamicsError as error:
+            if held_out is not None and isinstance(error, BatchRefused):
+                raise
             remarks.append(f"no θT line {first} → {label}: {error}")
             continue
         start, end = (_endpoints(r)[1] for r in (reference, run))
@@ -193,7 +282,7 @@ def loss_barriers(
                 True,
                 alphas,
                 line_losses(surface, start, end, alphas),
-                first,
+                batch_name,
                 surface.buffer_note,
             )
         )
@@ -235,13 +324,14 @@ def _barrier_html(barriers: Barriers) -> str:
             "max",
             "barrier",
             "above the chord",
-            "probe batch of",
+            "batch",
         )
         parts.append(html_table(header, rows))
         notes = dict.fromkeys(line.buffers for line in barriers.lines if line.buffers)
         parts.append(
             "<p class='note'>Loss at (1 − α)·start + α·end, the model rebuilt from the run "
-            "file in eval mode on a run's stored probe batch; barrier: max along the line "
+            "file in eval mode on the batch named in the table (a run's stored probe batch, "
+            "with that run's model, or a held-out batch); barrier: max along the line "
             "minus the mean of its ends (never below 0: half the ends' difference on a line "
             "that only falls); above the chord: the largest height of the loss above the "
             "straight line joining its ends' losses (0: no bump between them). "
@@ -270,9 +360,11 @@ def _barrier_figure(barriers: Barriers, colors: dict[str, str]) -> go.Figure | N
         )
         for line in barriers.lines
     ]
-    figure = line_figure(
-        curves, title="Loss along straight lines between parameters", y_title="loss"
-    )
+    title = "Loss along straight lines between parameters"
+    batches = {line.batch for line in barriers.lines}
+    if len(batches) == 1:  # a held-out batch, or one run's probe batch
+        title += f", on the {batches.pop()}"
+    figure = line_figure(curves, title=title, y_title="loss")
     figure.update_xaxes(title_text="α (0: start, 1: end)")
     return figure
 
@@ -290,14 +382,46 @@ def _other_function(reference: Run, run: Run, labels: tuple[str, str]) -> str:
     return ""
 
 
-def _missing(run: Run) -> str:
+def _missing(run: Run, need_probe_batch: bool = True) -> str:
     """What a run lacks for its lines, read from its file without torch; empty: nothing."""
     stored = set(run.vector_names)
     if not {names.THETA0, names.THETA_FINAL} <= stored:
         return "θ0 or θT (ParameterDisplacement records them)"
-    if not any(name.startswith(names.PROBE_BATCH_PREFIX) for name in stored):
+    if need_probe_batch and not any(n.startswith(names.PROBE_BATCH_PREFIX) for n in stored):
         return "probe batch (GradientPlane records it)"
     return ""
+
+
+def _batch_tensors(batch: Any, where: str) -> list:
+    """The tensors of a batch of tensors in dicts, lists and tuples (numbers, strings and None
+    beside them), depth first.
+
+    Raises:
+        DynamicsError: it holds another object.
+    """
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if batch is None or isinstance(batch, (bool, int, float, str)):
+        return []
+    if isinstance(batch, Mapping):
+        children = list(batch.values())
+    elif isinstance(batch, (list, tuple)):  # named tuples of a stored probe batch too
+        children = list(batch)
+    else:
+        kind = f"{type(batch).__module__}.{type(batch).__qualname__}"
+        raise DynamicsError(f"{where}: holds a {kind}, not only tensors in dicts, lists and tuples")
+    return [tensor for child in children for tensor in _batch_tensors(child, where)]
+
+
+def _size(tensors: list) -> str:
+    """A batch's size: the leading dimension its tensors share, else their shapes."""
+    leading = {tuple(t.shape[:1]) for t in tensors}
+    if len(leading) == 1 and leading != {()}:
+        ((samples,),) = leading
+        return f"{samples} sample{'s' if samples != 1 else ''}"
+    return "tensors of shapes " + ", ".join(str(tuple(t.shape)) for t in tensors)
 
 
 def _endpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:

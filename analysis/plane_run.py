@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -36,6 +37,10 @@ from dynamics.loss_rule import LossUnavailable, loss_source
 from dynamics.nearest_buffers import NearestBuffers
 from dynamics.rebuild import probe_batch, rebuild_module
 from dynamics.store import Run, names, open_run
+
+
+class BatchRefused(DynamicsError):
+    """The rebuilt model cannot take the batch its loss is to be evaluated on."""
 
 
 @dataclass(frozen=True)
@@ -191,10 +196,12 @@ def rebuilt_surface(
     trust: bool = False,
     *,
     buffers_of: Sequence[Run] = (),
+    batch: Any = None,
+    batch_name: str = "the stored probe batch",
 ) -> LossSurface:
-    """The loss of ``run``'s model rebuilt from its file, on its stored probe batch, in eval
-    mode, each point with the buffers of the nearest stored state (of ``run``, or of the runs
-    ``buffers_of`` when given: a path between runs' endpoints).
+    """The loss of ``run``'s model rebuilt from its file, on its stored probe batch (or
+    ``batch``), in eval mode, each point with the buffers of the nearest stored state (of
+    ``run``, or of the runs ``buffers_of`` when given: a path between runs' endpoints).
 
     Args:
         run: the run whose model and probe batch are used.
@@ -202,10 +209,13 @@ def rebuilt_surface(
         init_args: init args completing or overriding the recorded ones.
         trust: import a recorded class from outside the installed packages.
         buffers_of: the runs whose stored states supply buffers; default ``run``'s.
+        batch: the batch to evaluate on instead of the stored probe batch (on the CPU).
+        batch_name: what the batch is, for the error saying the model cannot take it.
 
     Raises:
-        DynamicsError: the model cannot be rebuilt, has no loss to evaluate, the run stores no
-            probe batch, or the model cannot take it.
+        DynamicsError: the model cannot be rebuilt, has no loss to evaluate, or the run stores
+            no probe batch (and no ``batch`` is given).
+        BatchRefused: the model cannot take the batch (tried once, at θ0).
     """
     module = rebuild_module(run, model, init_args, trust)
     try:  # before any pass: a manually optimized module's training_step would train it
@@ -213,15 +223,17 @@ def rebuilt_surface(
     except LossUnavailable as error:
         raise DynamicsError(f"{run.path.name}: {error}") from None
     buffers = NearestBuffers.of_runs(list(buffers_of) or [run], module)
-    surface = LossSurface(module, run.layout, probe_batch(run), buffers=buffers)
+    if batch is None:
+        batch = probe_batch(run)
+    surface = LossSurface(module, run.layout, batch, buffers=buffers)
     theta0 = run.vector(names.THETA0)  # the plane's checks have asked for it already
-    try:  # once at θ0, so a stored batch the model cannot take is one line, not a worker's
+    try:  # once at θ0, so a batch the model cannot take is one line, not a worker's
         if theta0 is not None:
             surface.loss(theta0)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise DynamicsError(
-            f"{run.path.name}: the rebuilt model cannot take the stored probe batch: {reason}"
+        raise BatchRefused(
+            f"{run.path.name}: the rebuilt model cannot take {batch_name}: {reason}"
         ) from None
     return surface
 

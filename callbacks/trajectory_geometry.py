@@ -14,6 +14,12 @@ from dynamics.store import View, names
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
+#: The per-tensor series of ``TrajectoryGeometry(per_tensor=True)``, one column per parameter
+#: tensor of the layout, in the group :data:`~dynamics.store.names.TRAJECTORY`.
+PATH_LENGTH_PER_TENSOR = "path_length_per_tensor"  # Σ_{s ≤ t} ‖Δs,i‖
+UPDATE_COSINE_PER_TENSOR = "update_cosine_per_tensor"  # cos(Δt−1,i, Δt,i)
+GRADIENT_COSINE_PER_TENSOR = "gradient_cosine_per_tensor"  # cos(Δt,i, −gt,i)
+
 #: How the series are drawn (declared with them).
 VIEWS = {
     names.TRAJECTORY_PATH_LENGTH: View("scalar", "Path length Σ‖θs+1 − θs‖", "path length"),
@@ -26,6 +32,24 @@ VIEWS = {
     names.TRAJECTORY_GRADIENT_COSINE: View(
         "scalar", "Cosine between the update and the descent direction", "cos(Δt, −gt)"
     ),
+}
+#: How the per-tensor series are drawn: tensors as lines, as the per-tensor displacement.
+TENSOR_VIEWS = {
+    PATH_LENGTH_PER_TENSOR: View("lines", "Path length per tensor Σ‖θs+1,i − θs,i‖", "path length"),
+    UPDATE_COSINE_PER_TENSOR: View(
+        "lines", "Cosine between consecutive updates per tensor", "cos(Δt−1,i, Δt,i)"
+    ),
+    GRADIENT_COSINE_PER_TENSOR: View(
+        "lines",
+        "Cosine between the update and the descent direction per tensor",
+        "cos(Δt,i, −gt,i)",
+    ),
+}
+#: The total series each per-tensor series breaks down.
+_TOTAL_OF = {
+    PATH_LENGTH_PER_TENSOR: names.TRAJECTORY_PATH_LENGTH,
+    UPDATE_COSINE_PER_TENSOR: names.TRAJECTORY_UPDATE_COSINE,
+    GRADIENT_COSINE_PER_TENSOR: names.TRAJECTORY_GRADIENT_COSINE,
 }
 
 #: What the gradient of a row is, stored with the probe's settings.
@@ -60,6 +84,15 @@ class TrajectoryGeometry(Probe):
 
     A cosine with a zero vector is NaN: no direction, not an angle.
 
+    With ``per_tensor=True`` the same is recorded per parameter tensor i (one column per tensor
+    of the parameter layout, drawn as lines like the per-tensor displacement):
+    ``path_length_per_tensor`` Σ_{s ≤ t} ‖Δs,i‖, ``update_cosine_per_tensor`` cos(Δt−1,i, Δt,i)
+    and, where ``gradient_cosine`` is recorded, ``gradient_cosine_per_tensor`` cos(Δt,i, −gt,i);
+    NaN for a tensor that did not move or has no gradient. The per-tensor norms the totals are
+    made of are reused; the cosines add a per-tensor normalization of the update (and of the
+    gradient) and one parameter-sized buffer (the previous update's per-tensor directions).
+    Off, none of this is computed.
+
     The gradient cannot be known, and ``gradient_cosine`` is not recorded (the probe's
     settings say why and a warning event says so once), under manual optimization (the module
     calls ``zero_grad``, ``backward``, clipping and ``step`` itself, possibly for several
@@ -76,19 +109,25 @@ class TrajectoryGeometry(Probe):
 
     Args:
         every_n_steps: period of the rows in optimizer steps.
+        per_tensor: also record the path length and the cosines per parameter tensor.
     """
 
     name = names.TRAJECTORY
 
-    def __init__(self, every_n_steps: int = 1) -> None:
+    def __init__(self, every_n_steps: int = 1, per_tensor: bool = False) -> None:
         super().__init__(every_n_steps)
+        self.per_tensor = per_tensor
         self.gradient_problem: str | None = None  # why the gradient cannot be known, at setup
+        self.tensor_problem: str | None = None  # why the per-tensor series cannot be, at setup
+        self._tensor_names: list[str] = []
         self._params: list[torch.Tensor] = []
         self._in_optimizer: list[bool] = []  # per parameter: does an optimizer hold it
         self._theta0: list[torch.Tensor] | None = None
         self._before: list[torch.Tensor] = []  # θt, copied before a step
         self._previous: list[torch.Tensor] | None = None  # Δt−1 / ‖Δt−1‖
         self._path: torch.Tensor | None = None  # Σ ‖Δs‖ so far
+        self._tensor_path: torch.Tensor | None = None  # Σ ‖Δs,i‖ so far, per tensor i
+        self._previous_tensors: list[torch.Tensor] | None = None  # Δt−1,i / ‖Δt−1,i‖
         self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for missing gradients
         self._armed = False
         self._noted: set[str] = set()
@@ -98,7 +137,9 @@ class TrajectoryGeometry(Probe):
         require_unsharded(trainer, "TrajectoryGeometry")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        self._params = ParameterLayout.of(pl_module).parameters(pl_module)
+        layout = ParameterLayout.of(pl_module)
+        self._params = layout.parameters(pl_module)
+        self._tensor_names = list(layout.names)
         held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
         self._in_optimizer = [id(p) in held for p in self._params]
         self.gradient_problem = _gradient_problem(trainer, pl_module)
@@ -113,23 +154,52 @@ class TrajectoryGeometry(Probe):
             # float64 keeps the sum of many small lengths exact enough; MPS has no float64.
             accumulator = torch.float32 if device.type == "mps" else torch.float64
             self._path = torch.zeros((), dtype=accumulator)
+            if self.per_tensor:
+                self._tensor_path = torch.zeros(len(params), dtype=accumulator)
+        elif self.per_tensor and self._tensor_path is None:
+            self.tensor_problem = (
+                "resumed from a checkpoint of a fit without per_tensor, so the per-tensor path "
+                "lengths so far are unknown"
+            )
+            self._note_once(
+                trainer.global_step, f"per-tensor series not recorded: {self.tensor_problem}"
+            )
+        if not self.per_tensor:  # a checkpoint of a fit with per_tensor: not continued
+            self._tensor_path, self._previous_tensors = None, None
         self._theta0 = [t.to(device) for t in self._theta0]
         self._path = self._path.to(device)
         if self._previous is not None:
             self._previous = [t.to(device) for t in self._previous]
+        if self._tensor_path is not None:
+            self._tensor_path = self._tensor_path.to(device)
+        if self._previous_tensors is not None:
+            self._previous_tensors = [t.to(device) for t in self._previous_tensors]
         self._before = [torch.empty_like(t) for t in self._theta0]
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         measured = list(VIEWS)
         if self.gradient_problem:
             measured.remove(names.TRAJECTORY_GRADIENT_COSINE)
-        return {names.TRAJECTORY: {name: SeriesSpec(view=VIEWS[name]) for name in measured}}
+        series = {name: SeriesSpec(view=VIEWS[name]) for name in measured}
+        if self._tensor_path is not None:
+            shape, columns = (len(self._tensor_names),), tuple(self._tensor_names)
+            series.update(
+                (name, SeriesSpec(shape, columns=columns, view=view))
+                for name, view in TENSOR_VIEWS.items()
+                if _TOTAL_OF[name] in measured
+            )
+        return {names.TRAJECTORY: series}
 
     def settings(self) -> dict[str, Any]:
         gradient = GRADIENT_DEFINITION
         if self.gradient_problem:
             gradient = f"not measured: {self.gradient_problem}"
-        return {"measured": "every optimizer step", "gradient": gradient}
+        settings = {"measured": "every optimizer step", "gradient": gradient}
+        if self.per_tensor:  # only then: the settings of files without the option stay as they were
+            settings["per_tensor"] = (
+                f"not measured: {self.tensor_problem}" if self.tensor_problem else True
+            )
+        return settings
 
     def is_due(self, step: int) -> bool:
         return True  # every update counts in the path; rows are thinned in on_step_end
@@ -145,14 +215,20 @@ class TrajectoryGeometry(Probe):
         self._armed = False
         params = [p.detach() for p in self._params]
         update = torch._foreach_sub(params, self._before)
-        length = _norm(update)
+        norms = _norms(update)
+        length = torch.linalg.vector_norm(norms)
         self._path += length
         # θt is no longer needed: its buffer takes θt+1 − θ0.
         torch._foreach_copy_(self._before, params)
         torch._foreach_sub_(self._before, self._theta0)
         distance = _norm(self._before)
+        directions = None  # per tensor Δt,i / ‖Δt,i‖
+        if self._tensor_path is not None:
+            self._tensor_path += norms
+            directions = torch._foreach_div(update, list(norms.unbind()))
         torch._foreach_div_(update, length)  # the direction; NaN where the update is zero
         previous, self._previous = self._previous, update
+        previous_directions, self._previous_tensors = self._previous_tensors, directions
         if not super().is_due(step):
             return {}
         nan = torch.full((), math.nan, device=length.device)
@@ -163,13 +239,21 @@ class TrajectoryGeometry(Probe):
                 nan if previous is None else _unit_cosine(update, previous)
             ),
         }
+        if directions is not None:
+            rows[PATH_LENGTH_PER_TENSOR] = self._tensor_path.clone()
+            rows[UPDATE_COSINE_PER_TENSOR] = (
+                torch.full_like(norms, math.nan)
+                if previous_directions is None
+                else _unit_cosines(directions, previous_directions)
+            )
         if self.gradient_problem is None:
-            rows[names.TRAJECTORY_GRADIENT_COSINE] = self._gradient_cosine(update, step)
+            rows.update(self._gradient_cosines(update, directions, step))
         return {names.TRAJECTORY: rows}
 
     def teardown(self) -> None:
         # The next fit() starts a new path, unless a checkpoint restores this one.
         self._theta0, self._previous, self._path = None, None, None
+        self._tensor_path, self._previous_tensors, self.tensor_problem = None, None, None
         self._before, self._zeros, self._armed = [], {}, False
 
     def state_dict(self) -> dict[str, Any]:
@@ -179,15 +263,29 @@ class TrajectoryGeometry(Probe):
             "theta0": [t.cpu() for t in self._theta0],
             "path": self._path.cpu(),
             "previous": None if self._previous is None else [t.cpu() for t in self._previous],
+            "tensor_path": None if self._tensor_path is None else self._tensor_path.cpu(),
+            "previous_tensors": (
+                None
+                if self._previous_tensors is None
+                else [t.cpu() for t in self._previous_tensors]
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._theta0 = state.get("theta0")
         self._path = state.get("path")
         self._previous = state.get("previous")
+        self._tensor_path = state.get("tensor_path")
+        self._previous_tensors = state.get("previous_tensors")
 
-    def _gradient_cosine(self, direction: list[torch.Tensor], step: int) -> torch.Tensor:
-        """cos(Δt, −gt) = 1 − ‖Δ̂ + ĝ‖²/2 from the update's direction Δ̂ (see _unit_cosine)."""
+    def _gradient_cosines(
+        self,
+        direction: list[torch.Tensor],
+        directions: list[torch.Tensor] | None,
+        step: int,
+    ) -> dict[str, torch.Tensor]:
+        """cos(Δt, −gt) = 1 − ‖Δ̂ + ĝ‖²/2 from the update's direction Δ̂ (see _unit_cosine),
+        and per tensor from its directions ``directions`` when given (else not)."""
         grads = [
             p.grad if held and p.grad is not None else None
             for p, held in zip(self._params, self._in_optimizer)
@@ -198,14 +296,25 @@ class TrajectoryGeometry(Probe):
                 "no parameter had a gradient when the optimizer step ended; gradient_cosine "
                 "recorded NaN",
             )
-            return torch.full((), math.nan, device=direction[0].device)
+            nan = torch.full((len(direction),), math.nan, device=direction[0].device)
+            rows = {names.TRAJECTORY_GRADIENT_COSINE: nan[0]}
+            if directions is not None:
+                rows[GRADIENT_COSINE_PER_TENSOR] = nan
+            return rows
         gradient = [
             g.to(d.dtype) if g is not None else self._zero(i, d)
             for i, (g, d) in enumerate(zip(grads, direction))
         ]
-        unit = torch._foreach_div(gradient, _norm(gradient))
+        norms = _norms(gradient)
+        unit = torch._foreach_div(gradient, torch.linalg.vector_norm(norms))
         torch._foreach_add_(unit, direction)
-        return (1 - _norm(unit) ** 2 / 2).clamp(-1, 1)
+        rows = {names.TRAJECTORY_GRADIENT_COSINE: (1 - _norm(unit) ** 2 / 2).clamp(-1, 1)}
+        if directions is not None:
+            # A tensor without a gradient (a zero stand-in) gets 0/0: NaN, no direction.
+            units = torch._foreach_div(gradient, list(norms.unbind()))
+            torch._foreach_add_(units, directions)
+            rows[GRADIENT_COSINE_PER_TENSOR] = (1 - _norms(units) ** 2 / 2).clamp(-1, 1)
+        return rows
 
     def _zero(self, i: int, like: torch.Tensor) -> torch.Tensor:
         if i not in self._zeros:
@@ -244,6 +353,16 @@ def _unit_cosine(u: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
     return (1 - _norm(torch._foreach_sub(u, v)) ** 2 / 2).clamp(-1, 1)
 
 
+def _unit_cosines(u: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+    """cos(uᵢ, vᵢ) per tensor of tensors of unit norm, as :func:`_unit_cosine`."""
+    return (1 - _norms(torch._foreach_sub(u, v)) ** 2 / 2).clamp(-1, 1)
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The Euclidean norm of each tensor, stacked: one foreach kernel."""
+    return torch.stack(torch._foreach_norm(tensors))
+
+
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The Euclidean norm of the vector the tensors make up, one foreach kernel."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
+    return torch.linalg.vector_norm(_norms(tensors))

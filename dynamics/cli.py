@@ -258,6 +258,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="loss barriers: points along each straight line between θT's and from θ0 to θT, "
         "one forward pass on the probe batch each (default 21; 0: none)",
     )
+    compare.add_argument(
+        "--barrier-batch",
+        type=Path,
+        metavar="FILE",
+        help="loss barriers: evaluate every line on this held-out batch instead of the runs' "
+        "probe batches: a tensor, or dicts, lists and tuples of tensors, saved with torch.save "
+        "(loaded with weights_only=True)",
+    )
     _model_arguments(compare)
     compare.set_defaults(handler=_compare)
 
@@ -610,6 +618,15 @@ def _compare(args: argparse.Namespace) -> int:
     init_args = _json_object(args.init_args, "--init-args")
     from dynamics.analysis.compare import write_comparison
 
+    barrier_batch = None
+    if args.barrier_batch is not None:
+        if not barrier_points:
+            raise DynamicsError(
+                "--barrier-batch: no loss barrier is evaluated with --barrier-points 0"
+            )
+        from dynamics.analysis.loss_barrier import load_batch
+
+        barrier_batch = load_batch(args.barrier_batch)
     written = write_comparison(
         args.runs,
         args.output,
@@ -620,6 +637,7 @@ def _compare(args: argparse.Namespace) -> int:
         model=args.model,
         init_args=init_args,
         trust_recorded_model=args.trust_recorded_model,
+        barrier_batch=barrier_batch,
     )
     return _print_written(written)
 
@@ -645,6 +663,7 @@ def _compare_groups(args: argparse.Namespace) -> int:
         option
         for option, given in (
             ("--barrier-points", args.barrier_points is not None),
+            ("--barrier-batch", args.barrier_batch is not None),
             ("--model", args.model is not None),
             ("--init-args", args.init_args is not None),
             ("--trust-recorded-model", args.trust_recorded_model),

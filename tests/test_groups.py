@@ -165,6 +165,10 @@ def test_bad_groups_are_one_line_errors(layout, dynamics, one_line_error, tmp_pa
             [str(layout), "--barrier-points", "5", "--model", "m:M", "--json"],
             "--barrier-points, --model: only with run files",
         ),
+        "held-out barrier batch": (
+            [str(layout), "--barrier-batch", "held.pt", "--json"],
+            "--barrier-batch: only with run files",
+        ),
     }
     for args, message in cases.values():
         result = dynamics("compare", *args)

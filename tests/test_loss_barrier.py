@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
@@ -13,15 +14,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
 from dynamics.analysis.compare import write_comparison
-from dynamics.analysis.loss_barrier import loss_barriers
+from dynamics.analysis.loss_barrier import load_batch, loss_barriers
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,
     ParameterDisplacement,
     TrainingLoss,
 )
+from dynamics.cli import main
 from dynamics.loss_rule import module_loss
-from dynamics.rebuild import probe_batch
+from dynamics.rebuild import probe_batch, rebuild_module
 from dynamics.store import names
 from tests.conftest import make_quiet_trainer
 from tests.test_rebuild import BatchNormDictCNN
@@ -29,6 +31,7 @@ from tests.test_rebuild import fit as fit_bn
 
 CURVATURE = np.array([1.0, -2.0, 0.5])  # a saddle: lines between the runs bend down
 TARGETS = np.random.default_rng(1).normal(size=(8, 3))
+HELD_OUT = np.random.default_rng(2).normal(size=(5, 3))  # another batch for the same loss
 
 
 class SaddleQuadratic(pl.LightningModule):
@@ -53,14 +56,29 @@ class SaddleQuadratic(pl.LightningModule):
         return DataLoader(TensorDataset(torch.tensor(TARGETS, dtype=torch.float32)), batch_size=8)
 
 
-def closed_form(start: np.ndarray, end: np.ndarray, alphas: np.ndarray) -> np.ndarray:
-    """L(α) = a α² + b α + c on the line start + α (end − start), for the batch TARGETS."""
-    x = TARGETS.astype(np.float32).astype(np.float64)
+def closed_form(
+    start: np.ndarray, end: np.ndarray, alphas: np.ndarray, batch: np.ndarray = TARGETS
+) -> np.ndarray:
+    """L(α) = a α² + b α + c on the line start + α (end − start), for the batch ``batch``."""
+    x = batch.astype(np.float32).astype(np.float64)
     delta, offset = end - start, start - x.mean(0)
     a = 0.5 * np.sum(CURVATURE * delta**2)
     b = np.sum(CURVATURE * delta * offset)
     c = np.mean(0.5 * np.sum(CURVATURE * (start - x) ** 2, axis=1))
     return a * alphas**2 + b * alphas + c
+
+
+class Pickled:
+    """An object a batch file must not hold."""
+
+
+def save(path: Path, batch) -> Path:
+    torch.save(batch, path)
+    return path
+
+
+def held_out_file(folder: Path) -> Path:
+    return save(folder / "held.pt", (torch.tensor(HELD_OUT, dtype=torch.float32),))
 
 
 def saddle_runs(folder):
@@ -112,14 +130,48 @@ def test_line_losses_are_the_closed_form_quadratic(tmp_path):
     assert between.barrier > 0.1 and 0 < between.peak_alpha < 1  # a real bump, inside
 
 
-def test_ends_are_the_trained_models_losses_with_their_own_buffers(tmp_path):
-    """BatchNorm: each end is evaluated with its run's final running statistics, so it equals
-    the trained model's eval loss; a line between the runs is on the reference's probe batch."""
+def test_held_out_lines_are_the_closed_form_quadratic_of_that_batch(tmp_path):
+    """Every line on the held-out batch, not the stored probe batches: the closed form of
+    HELD_OUT, which differs from that of the probe batch TARGETS."""
+    runs = saddle_runs(tmp_path)
+    held_out = load_batch(held_out_file(tmp_path))
+    assert held_out.name == "held-out batch held.pt (5 samples)"
+    barriers = loss_barriers(
+        runs, ["slow", "fast"], points=11, trust_recorded_model=True, held_out=held_out
+    )
+    assert not barriers.remarks and len(barriers.lines) == 3
+    theta = {r.name: (r.vector(names.THETA0), r.vector(names.THETA_FINAL)) for r in runs}
+    ends = {
+        "θ0 → θT (slow)": theta["slow"],
+        "θ0 → θT (fast)": theta["fast"],
+        "θT(slow) → θT(fast)": (theta["slow"][1], theta["fast"][1]),
+    }
+    for line in barriers.lines:
+        start, end = (v.astype(np.float64) for v in ends[line.name])
+        expected = closed_form(start, end, line.alphas, HELD_OUT)
+        np.testing.assert_allclose(line.losses, expected, rtol=1e-5, atol=1e-6, err_msg=line.name)
+        assert np.max(np.abs(expected - closed_form(start, end, line.alphas))) > 0.05
+        barrier = expected.max() - (expected[0] + expected[-1]) / 2
+        assert abs(line.barrier - barrier) < 1e-5 * max(1.0, abs(barrier)), line.name
+        assert line.batch == held_out.name
+
+
+@pytest.fixture(scope="module")
+def trained_bn(tmp_path_factory):
+    """Two BatchNorm CNNs with dict batches at two learning rates: {name: (module, run)}."""
+    folder = tmp_path_factory.mktemp("bn")
     trained = {}
     for name, lr, seed in (("slow", 0.05, 1), ("fast", 0.3, 2)):
         torch.manual_seed(3)
         module = BatchNormDictCNN(lr=lr, data_seed=seed)
-        trained[name] = (module.eval(), fit_bn(module, tmp_path / f"{name}.h5"))
+        trained[name] = (module.eval(), fit_bn(module, folder / f"{name}.h5"))
+    return trained
+
+
+def test_ends_are_the_trained_models_losses_with_their_own_buffers(trained_bn):
+    """BatchNorm: each end is evaluated with its run's final running statistics, so it equals
+    the trained model's eval loss; a line between the runs is on the reference's probe batch."""
+    trained = trained_bn
     runs = [trained["slow"][1], trained["fast"][1]]
     barriers = loss_barriers(runs, ["slow", "fast"], points=5, trust_recorded_model=True)
     lines = {line.name: line for line in barriers.lines}
@@ -136,6 +188,40 @@ def test_ends_are_the_trained_models_losses_with_their_own_buffers(tmp_path):
         [between[0], between[-1]], [loss("slow", "slow"), loss("fast", "slow")], rtol=1e-6
     )
     assert "stored state nearest" in lines["θT(slow) → θT(fast)"].buffers
+    assert lines["θ0 → θT (fast)"].batch == "stored probe batch of fast (12 samples)"
+    assert lines["θT(slow) → θT(fast)"].batch == "stored probe batch of slow (12 samples)"
+
+
+def test_held_out_dict_batch_ends_are_the_models_losses_on_it(trained_bn, tmp_path):
+    """A dict batch saved with torch.save: θ0's end is the rebuilt θ0 model's loss on it, each
+    θT end the trained model's, with their own buffers."""
+    generator = torch.Generator().manual_seed(5)
+    batch = {
+        "image": torch.randn(7, 1, 6, 6, generator=generator),
+        "label": torch.randint(0, 3, (7,), generator=generator),
+    }
+    held_out = load_batch(save(tmp_path / "dict.pt", batch))
+    assert held_out.name == "held-out batch dict.pt (7 samples)"
+    runs = [trained_bn["slow"][1], trained_bn["fast"][1]]
+    barriers = loss_barriers(
+        runs, ["slow", "fast"], points=3, trust_recorded_model=True, held_out=held_out
+    )
+    lines = {line.name: line for line in barriers.lines}
+
+    def loss(module) -> float:
+        with torch.no_grad():
+            return module_loss(module.eval(), batch).item()
+
+    slow, fast = (trained_bn[name][0] for name in ("slow", "fast"))
+    start = loss(rebuild_module(runs[0], trust_recorded_model=True))
+    np.testing.assert_allclose(
+        lines["θ0 → θT (slow)"].losses[[0, -1]], [start, loss(slow)], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        lines["θT(slow) → θT(fast)"].losses[[0, -1]], [loss(slow), loss(fast)], rtol=1e-6
+    )
+    # Not the probe batch's losses.
+    assert abs(loss(slow) - module_loss(slow, probe_batch(runs[0])).item()) > 1e-3
 
 
 def test_compare_page_shows_the_barriers_of_rebuildable_runs(demo, dynamics):
@@ -164,7 +250,7 @@ def test_compare_says_in_one_line_why_there_is_no_barrier(tmp_path):
     assert "outside the installed packages" in page
 
 
-def test_runs_without_a_probe_batch_get_one_line(tmp_path):
+def test_runs_without_a_probe_batch_get_one_line_or_the_held_out_lines(tmp_path):
     paths = []
     for name, lr in (("slow", 0.05), ("fast", 0.2)):
         recorder = DynamicsRecorder(
@@ -177,6 +263,15 @@ def test_runs_without_a_probe_batch_get_one_line(tmp_path):
     assert (
         "no loss barrier for slow, fast: no probe batch (GradientPlane records it) stored" in page
     )
+    held_out = load_batch(held_out_file(tmp_path))
+    page = write_comparison(
+        paths,
+        tmp_path / "held.html",
+        trust_recorded_model=True,
+        barrier_batch=held_out,
+    ).path.read_text()
+    assert "no loss barrier" not in page and "θT(slow) → θT(fast)" in page
+    assert "held-out batch held.pt (5 samples)" in page
 
 
 def test_cli_compare_rebuilds_a_script_model_given_with_model(tmp_path, dynamics, one_line_error):
@@ -190,3 +285,54 @@ def test_cli_compare_rebuilds_a_script_model_given_with_model(tmp_path, dynamics
     page = out.read_text()
     assert "θT(slow) → θT(fast)" in page and "no loss barrier" not in page
     one_line_error(dynamics(*args, "--overwrite", "--barrier-points", "1"))
+
+
+def test_cli_compare_on_a_held_out_batch(tmp_path, dynamics):
+    runs = saddle_runs(tmp_path)
+    out = tmp_path / "page.html"
+    model = f"{Path(__file__).resolve()}:SaddleQuadratic"
+    held = held_out_file(tmp_path)
+    args = ("compare", runs[0].path, runs[1].path, "-o", out, "--model", model)
+    result = dynamics(*args, "--barrier-batch", held, "--barrier-points", "5")
+    assert result.returncode == 0, result.stderr
+    page = out.read_text()
+    assert "θT(slow) → θT(fast)" in page and "no loss barrier" not in page
+    assert page.count("held-out batch held.pt (5 samples)") >= 3  # a row per line, the figure
+    assert "stored probe batch of" not in page
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ("missing", "no such file"),
+        (Pickled(), "refused, it holds a pickled tests.test_loss_barrier.Pickled"),
+        ({"n": 3, "sizes": torch.Size([5, 3])}, "holds no tensor"),
+        ([torch.zeros(5, 3), torch.device("cpu")], "holds a torch.device"),
+        ("text", "not a file torch.save wrote"),
+        (
+            (torch.zeros(5, 4),),
+            "slow.h5: the rebuilt model cannot take the held-out batch batch.pt",
+        ),
+        ("points 0", "--barrier-batch: no loss barrier is evaluated with --barrier-points 0"),
+    ],
+)
+def test_cli_refuses_a_bad_held_out_batch_and_changes_nothing(tmp_path, capsys, batch, message):
+    runs = [run.path for run in saddle_runs(tmp_path)]
+    out = tmp_path / "page.html"
+    model = f"{Path(__file__).resolve()}:SaddleQuadratic"
+    argv = ["compare", *map(str, runs), "-o", str(out), "--model", model, "--barrier-points", "5"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    before = {path: path.read_bytes() for path in [*runs, out]}
+    path = tmp_path / "batch.pt"
+    if batch == "text":
+        path.write_text("x, y\n1, 2\n")
+    elif batch == "points 0":
+        held_out_file(tmp_path).rename(path)
+        argv += ["--barrier-points", "0"]
+    elif batch != "missing":
+        save(path, batch)
+    assert main([*argv, "--overwrite", "--barrier-batch", str(path)]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and message in stderr, stderr
+    assert all(path.read_bytes() == content for path, content in before.items())

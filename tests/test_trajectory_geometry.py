@@ -18,6 +18,11 @@ from dynamics.callbacks import (
     TrajectoryGeometry,
     check_probe,
 )
+from dynamics.callbacks.trajectory_geometry import (
+    GRADIENT_COSINE_PER_TENSOR,
+    PATH_LENGTH_PER_TENSOR,
+    UPDATE_COSINE_PER_TENSOR,
+)
 from dynamics.store import names
 from tests.conftest import make_quiet_trainer
 from tests.test_real_projects import DigitsCNN, DigitsData
@@ -26,6 +31,7 @@ CURVATURE = np.array([1.0, 4.0, 0.5, 2.0])
 TARGETS = np.random.default_rng(0).normal(size=(16, 4))  # one sample per row
 THETA0 = np.array([1.0, -2.0, 0.5, 3.0])
 LR, MOMENTUM = 0.1, 0.9
+TENSORS = (slice(0, 2), slice(2, 4))  # the entries of Quadratic's two parameter tensors
 
 
 class Quadratic(pl.LightningModule):
@@ -71,6 +77,7 @@ def hand_computed(steps: int, batch_size: int, accumulate: int = 1, clip: float 
     """The expected rows at every step: SGD with momentum on the quadratic, in float64."""
     theta, velocity = THETA0.copy(), None
     path, rows, previous = 0.0, [], None
+    tensor_path = np.zeros(len(TENSORS))
     micro = batch_size
     for t in range(steps):
         first = t * accumulate * micro % len(TARGETS)  # epochs restart the unshuffled data
@@ -83,6 +90,7 @@ def hand_computed(steps: int, batch_size: int, accumulate: int = 1, clip: float 
         update = -LR * velocity
         theta = theta + update
         path += np.linalg.norm(update)
+        tensor_path += [np.linalg.norm(update[t]) for t in TENSORS]
         rows.append(
             {
                 "path_length": path,
@@ -90,6 +98,11 @@ def hand_computed(steps: int, batch_size: int, accumulate: int = 1, clip: float 
                 "update_cosine": np.nan if previous is None else _cos(previous, update),
                 "gradient_cosine": _cos(update, -gradient),
                 "unclipped": _cos(update, -raw),
+                PATH_LENGTH_PER_TENSOR: tensor_path.copy(),
+                UPDATE_COSINE_PER_TENSOR: [
+                    np.nan if previous is None else _cos(previous[t], update[t]) for t in TENSORS
+                ],
+                GRADIENT_COSINE_PER_TENSOR: [_cos(update[t], -gradient[t]) for t in TENSORS],
             }
         )
         previous = update
@@ -128,6 +141,62 @@ def test_every_row_matches_the_hand_computed_path(tmp_path):
     assert not run.events()
 
 
+def test_per_tensor_rows_match_the_hand_computed_path_and_leave_the_totals_unchanged(tmp_path):
+    """Per tensor, every row against float64; the total rows are those of a run without the
+    option, bit for bit."""
+    probe = TrajectoryGeometry(every_n_steps=2, per_tensor=True)
+    run = fit(Quadratic(), tmp_path / "run.h5", [probe], max_steps=7)
+    recorded = run.series(names.TRAJECTORY)
+    assert set(recorded.values) == {
+        names.TRAJECTORY_PATH_LENGTH,
+        names.TRAJECTORY_TORTUOSITY,
+        names.TRAJECTORY_UPDATE_COSINE,
+        names.TRAJECTORY_GRADIENT_COSINE,
+        PATH_LENGTH_PER_TENSOR,
+        UPDATE_COSINE_PER_TENSOR,
+        GRADIENT_COSINE_PER_TENSOR,
+    }
+    assert recorded[PATH_LENGTH_PER_TENSOR].shape == (4, 2)
+    assert_rows(run, hand_computed(7, batch_size=2), [0, 2, 4, 6])
+    assert np.isnan(recorded[UPDATE_COSINE_PER_TENSOR][0]).all()
+    views = run.views(names.TRAJECTORY)
+    assert views[PATH_LENGTH_PER_TENSOR].kind == "lines"
+    (settings,) = [p["settings"] for p in run.attrs[names.ATTR_PROBES]]
+    assert settings["per_tensor"] is True
+    plain = fit(
+        Quadratic(), tmp_path / "plain.h5", [TrajectoryGeometry(every_n_steps=2)], max_steps=7
+    )
+    totals = plain.series(names.TRAJECTORY)
+    for name in totals.values:
+        np.testing.assert_array_equal(recorded[name], totals[name], err_msg=name)
+    assert "per_tensor" not in plain.attrs[names.ATTR_PROBES][0]["settings"]
+
+
+def test_a_tensor_outside_the_optimizer_has_no_direction(tmp_path):
+    """A tensor the optimizer does not hold never moves: its path stays 0 and its cosines
+    are NaN (no direction), while the other tensor's match the hand computation."""
+
+    class FirstOnly(Quadratic):
+        def configure_optimizers(self):
+            return torch.optim.SGD([self.first], lr=LR, momentum=MOMENTUM)
+
+    run = fit(FirstOnly(), tmp_path / "run.h5", [TrajectoryGeometry(per_tensor=True)], max_steps=3)
+    recorded = run.series(names.TRAJECTORY)
+    np.testing.assert_array_equal(recorded[PATH_LENGTH_PER_TENSOR][:, 1], 0)
+    assert np.isnan(recorded[UPDATE_COSINE_PER_TENSOR][:, 1]).all()
+    assert np.isnan(recorded[GRADIENT_COSINE_PER_TENSOR][:, 1]).all()
+    # The first tensor alone is the whole update: its rows are the totals.
+    np.testing.assert_allclose(
+        recorded[PATH_LENGTH_PER_TENSOR][:, 0], recorded[names.TRAJECTORY_PATH_LENGTH], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        recorded[GRADIENT_COSINE_PER_TENSOR][:, 0],
+        recorded[names.TRAJECTORY_GRADIENT_COSINE],
+        atol=1e-6,
+    )
+    assert abs(recorded[GRADIENT_COSINE_PER_TENSOR][0, 0] - 1) < 1e-6  # momentum's first step
+
+
 def test_accumulation_and_clipping_use_the_gradient_the_optimizer_was_handed(tmp_path):
     """Under accumulation the gradient is the mean over micro-batches; clipping by value
     changes its direction, and the row follows the clipped one."""
@@ -148,9 +217,12 @@ def test_accumulation_and_clipping_use_the_gradient_the_optimizer_was_handed(tmp
 
 
 def test_manual_optimization_records_the_path_and_says_why_not_the_gradient(tmp_path):
-    run = fit(ManualQuadratic(), tmp_path / "run.h5", [TrajectoryGeometry()], max_steps=4)
+    probe = TrajectoryGeometry(per_tensor=True)
+    run = fit(ManualQuadratic(), tmp_path / "run.h5", [probe], max_steps=4)
     recorded = run.series(names.TRAJECTORY)
     assert names.TRAJECTORY_GRADIENT_COSINE not in recorded.values
+    assert GRADIENT_COSINE_PER_TENSOR not in recorded.values
+    assert PATH_LENGTH_PER_TENSOR in recorded.values  # checked against the hand computation
     assert_rows(run, hand_computed(4, batch_size=2), [0, 1, 2, 3])
     (probe,) = run.attrs[names.ATTR_PROBES]
     assert probe["settings"]["gradient"].startswith("not measured: manual optimization")
@@ -163,7 +235,11 @@ def test_training_is_bit_identical_and_lengths_agree_with_the_displacement(tmp_p
     without the probe, and the path length is the sum of ParameterDisplacement's updates."""
     finals = []
     for i, probes in enumerate(
-        [[TrainingLoss()], [TrainingLoss(), ParameterDisplacement(), TrajectoryGeometry()]]
+        [
+            [TrainingLoss()],
+            [TrainingLoss(), ParameterDisplacement(), TrajectoryGeometry()],
+            [TrainingLoss(), ParameterDisplacement(), TrajectoryGeometry(per_tensor=True)],
+        ]
     ):
         torch.manual_seed(0)
         module = DigitsCNN()
@@ -172,8 +248,8 @@ def test_training_is_bit_identical_and_lengths_agree_with_the_displacement(tmp_p
         )
         trainer.fit(module, datamodule=DigitsData())
         finals.append([p.detach().clone() for p in module.parameters()])
-    for a, b in zip(*finals):
-        assert torch.equal(a, b)
+    for a, b, c in zip(*finals):
+        assert torch.equal(a, b) and torch.equal(a, c)
     run = open_run(tmp_path / "1.h5")
     geometry, displacement = run.series(names.TRAJECTORY), run.series(names.DISPLACEMENT)
     np.testing.assert_allclose(
@@ -190,12 +266,41 @@ def test_training_is_bit_identical_and_lengths_agree_with_the_displacement(tmp_p
     )
     cosine = geometry[names.TRAJECTORY_GRADIENT_COSINE]
     assert np.all((cosine > 0) & (cosine <= 1))
+    # Per tensor, the same run's totals recomputed from the per-tensor rows.
+    per_tensor = open_run(tmp_path / "2.h5")
+    tensors = per_tensor.series(names.TRAJECTORY)
+    for name in geometry.values:
+        np.testing.assert_array_equal(tensors[name], geometry[name], err_msg=name)
+    steps = np.diff(tensors[PATH_LENGTH_PER_TENSOR], axis=0, prepend=0)  # ‖Δt,i‖
+    np.testing.assert_allclose(
+        np.linalg.norm(steps, axis=1), displacement[names.DISPLACEMENT_UPDATE], rtol=1e-5
+    )
+    # One step from θ0: each tensor's path is its distance from θ0.
+    np.testing.assert_allclose(
+        tensors[PATH_LENGTH_PER_TENSOR][0],
+        displacement[names.DISPLACEMENT_PER_TENSOR][1],
+        rtol=1e-5,
+    )
+    # cos(Δt−1, Δt) = Σᵢ ‖Δt−1,i‖ ‖Δt,i‖ cos(Δt−1,i, Δt,i) / (‖Δt−1‖ ‖Δt‖).
+    # (A conv bias before BatchNorm has no gradient: it never moves, and its cosines are NaN.)
+    cosines = tensors[UPDATE_COSINE_PER_TENSOR][1:]
+    weights = steps[:-1] * steps[1:]
+    np.testing.assert_array_equal(np.isnan(cosines), weights == 0)
+    combined = np.sum(np.where(weights > 0, weights * cosines, 0), axis=1) / (
+        np.linalg.norm(steps[:-1], axis=1) * np.linalg.norm(steps[1:], axis=1)
+    )
+    np.testing.assert_allclose(combined, geometry[names.TRAJECTORY_UPDATE_COSINE][1:], atol=1e-5)
+    gradient_cosines = tensors[GRADIENT_COSINE_PER_TENSOR]
+    np.testing.assert_array_equal(np.isnan(gradient_cosines), steps == 0)
+    assert np.all(np.abs(gradient_cosines[steps > 0]) <= 1)
 
 
 def test_probe_contract_and_resumable_state():
     batch = (torch.tensor(TARGETS[:2], dtype=torch.float32),)
     series = check_probe(TrajectoryGeometry(), Quadratic(), batch, steps=3)
     assert np.isfinite(series[names.TRAJECTORY][names.TRAJECTORY_PATH_LENGTH]).all()
+    series = check_probe(TrajectoryGeometry(per_tensor=True), Quadratic(), batch, steps=3)
+    assert np.isfinite(series[names.TRAJECTORY][PATH_LENGTH_PER_TENSOR]).all()
 
 
 def test_report_and_compare_draw_the_series(tmp_path):
@@ -203,7 +308,7 @@ def test_report_and_compare_draw_the_series(tmp_path):
         fit(
             Quadratic(batch_size=size),
             tmp_path / f"b{size}.h5",
-            [TrainingLoss(), TrajectoryGeometry()],
+            [TrainingLoss(), TrajectoryGeometry(per_tensor=True)],
             max_steps=4,
         ).path
         for size in (2, 4)
@@ -215,8 +320,12 @@ def test_report_and_compare_draw_the_series(tmp_path):
         "Tortuosity",
         "Cosine between consecutive updates",
         "descent direction",
+        "Path length per tensor",
+        "Cosine between consecutive updates per tensor",
+        "descent direction per tensor",
     ):
         assert title in report and title in compare
+    assert "second" in report  # the tensors' names label the lines
 
 
 def test_a_resumed_fit_continues_the_same_path(tmp_path):
@@ -224,9 +333,10 @@ def test_a_resumed_fit_continues_the_same_path(tmp_path):
     (saved at an epoch's end: Lightning restarts an unshuffled epoch it resumes in its middle)."""
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    def fit_checkpointed(path, max_steps, ckpt_path=None):
+    def fit_checkpointed(path, max_steps, ckpt_path=None, per_tensor=True):
         checkpoint = ModelCheckpoint(tmp_path / path.stem, every_n_train_steps=4, save_top_k=-1)
-        recorder = DynamicsRecorder(path, [TrajectoryGeometry()], flush_interval_s=1e9)
+        probe = TrajectoryGeometry(per_tensor=per_tensor)
+        recorder = DynamicsRecorder(path, [probe], flush_interval_s=1e9)
         trainer = make_quiet_trainer(
             max_steps=max_steps, enable_checkpointing=True, callbacks=[recorder, checkpoint]
         )
@@ -241,3 +351,11 @@ def test_a_resumed_fit_continues_the_same_path(tmp_path):
     for name in a.values:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     assert_rows(open_run(resumed), hand_computed(7, batch_size=4), range(7))
+    # Resumed with per_tensor from a fit without it: the per-tensor paths so far are unknown.
+    partial = tmp_path / "partial.h5"
+    fit_checkpointed(partial, 5, per_tensor=False)
+    fit_checkpointed(partial, 7, tmp_path / "partial" / "epoch=0-step=4.ckpt")
+    run = open_run(partial)
+    assert PATH_LENGTH_PER_TENSOR not in run.series(names.TRAJECTORY).values
+    assert_rows(run, hand_computed(7, batch_size=4), range(7))
+    assert any("per-tensor series not recorded: resumed" in e.message for e in run.events())
