@@ -14,12 +14,6 @@ from dynamics.store import View, names
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-#: The per-tensor series of ``TrajectoryGeometry(per_tensor=True)``, one column per parameter
-#: tensor of the layout, in the group :data:`~dynamics.store.names.TRAJECTORY`.
-PATH_LENGTH_PER_TENSOR = "path_length_per_tensor"  # Σ_{s ≤ t} ‖Δs,i‖
-UPDATE_COSINE_PER_TENSOR = "update_cosine_per_tensor"  # cos(Δt−1,i, Δt,i)
-GRADIENT_COSINE_PER_TENSOR = "gradient_cosine_per_tensor"  # cos(Δt,i, −gt,i)
-
 #: How the series are drawn (declared with them).
 VIEWS = {
     names.TRAJECTORY_PATH_LENGTH: View("scalar", "Path length Σ‖θs+1 − θs‖", "path length"),
@@ -35,11 +29,13 @@ VIEWS = {
 }
 #: How the per-tensor series are drawn: tensors as lines, as the per-tensor displacement.
 TENSOR_VIEWS = {
-    PATH_LENGTH_PER_TENSOR: View("lines", "Path length per tensor Σ‖θs+1,i − θs,i‖", "path length"),
-    UPDATE_COSINE_PER_TENSOR: View(
+    names.TRAJECTORY_PATH_LENGTH_PER_TENSOR: View(
+        "lines", "Path length per tensor Σ‖θs+1,i − θs,i‖", "path length"
+    ),
+    names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR: View(
         "lines", "Cosine between consecutive updates per tensor", "cos(Δt−1,i, Δt,i)"
     ),
-    GRADIENT_COSINE_PER_TENSOR: View(
+    names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR: View(
         "lines",
         "Cosine between the update and the descent direction per tensor",
         "cos(Δt,i, −gt,i)",
@@ -47,9 +43,9 @@ TENSOR_VIEWS = {
 }
 #: The total series each per-tensor series breaks down.
 _TOTAL_OF = {
-    PATH_LENGTH_PER_TENSOR: names.TRAJECTORY_PATH_LENGTH,
-    UPDATE_COSINE_PER_TENSOR: names.TRAJECTORY_UPDATE_COSINE,
-    GRADIENT_COSINE_PER_TENSOR: names.TRAJECTORY_GRADIENT_COSINE,
+    names.TRAJECTORY_PATH_LENGTH_PER_TENSOR: names.TRAJECTORY_PATH_LENGTH,
+    names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR: names.TRAJECTORY_UPDATE_COSINE,
+    names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR: names.TRAJECTORY_GRADIENT_COSINE,
 }
 
 #: What the gradient of a row is, stored with the probe's settings.
@@ -240,8 +236,8 @@ class TrajectoryGeometry(Probe):
             ),
         }
         if directions is not None:
-            rows[PATH_LENGTH_PER_TENSOR] = self._tensor_path.clone()
-            rows[UPDATE_COSINE_PER_TENSOR] = (
+            rows[names.TRAJECTORY_PATH_LENGTH_PER_TENSOR] = self._tensor_path.clone()
+            rows[names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR] = (
                 torch.full_like(norms, math.nan)
                 if previous_directions is None
                 else _unit_cosines(directions, previous_directions)
@@ -299,7 +295,7 @@ class TrajectoryGeometry(Probe):
             nan = torch.full((len(direction),), math.nan, device=direction[0].device)
             rows = {names.TRAJECTORY_GRADIENT_COSINE: nan[0]}
             if directions is not None:
-                rows[GRADIENT_COSINE_PER_TENSOR] = nan
+                rows[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR] = nan
             return rows
         gradient = [
             g.to(d.dtype) if g is not None else self._zero(i, d)
@@ -313,7 +309,9 @@ class TrajectoryGeometry(Probe):
             # A tensor without a gradient (a zero stand-in) gets 0/0: NaN, no direction.
             units = torch._foreach_div(gradient, list(norms.unbind()))
             torch._foreach_add_(units, directions)
-            rows[GRADIENT_COSINE_PER_TENSOR] = (1 - _norms(units) ** 2 / 2).clamp(-1, 1)
+            rows[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR] = (1 - _norms(units) ** 2 / 2).clamp(
+                -1, 1
+            )
         return rows
 
     def _zero(self, i: int, like: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,6 @@ from dynamics.callbacks import (
     TrajectoryGeometry,
     check_probe,
 )
-from dynamics.callbacks.trajectory_geometry import (
-    GRADIENT_COSINE_PER_TENSOR,
-    PATH_LENGTH_PER_TENSOR,
-    UPDATE_COSINE_PER_TENSOR,
-)
 from dynamics.store import names
 from tests.conftest import make_quiet_trainer
 from tests.test_real_projects import DigitsCNN, DigitsData
@@ -98,11 +93,13 @@ def hand_computed(steps: int, batch_size: int, accumulate: int = 1, clip: float 
                 "update_cosine": np.nan if previous is None else _cos(previous, update),
                 "gradient_cosine": _cos(update, -gradient),
                 "unclipped": _cos(update, -raw),
-                PATH_LENGTH_PER_TENSOR: tensor_path.copy(),
-                UPDATE_COSINE_PER_TENSOR: [
+                names.TRAJECTORY_PATH_LENGTH_PER_TENSOR: tensor_path.copy(),
+                names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR: [
                     np.nan if previous is None else _cos(previous[t], update[t]) for t in TENSORS
                 ],
-                GRADIENT_COSINE_PER_TENSOR: [_cos(update[t], -gradient[t]) for t in TENSORS],
+                names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR: [
+                    _cos(update[t], -gradient[t]) for t in TENSORS
+                ],
             }
         )
         previous = update
@@ -152,15 +149,15 @@ def test_per_tensor_rows_match_the_hand_computed_path_and_leave_the_totals_uncha
         names.TRAJECTORY_TORTUOSITY,
         names.TRAJECTORY_UPDATE_COSINE,
         names.TRAJECTORY_GRADIENT_COSINE,
-        PATH_LENGTH_PER_TENSOR,
-        UPDATE_COSINE_PER_TENSOR,
-        GRADIENT_COSINE_PER_TENSOR,
+        names.TRAJECTORY_PATH_LENGTH_PER_TENSOR,
+        names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR,
+        names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR,
     }
-    assert recorded[PATH_LENGTH_PER_TENSOR].shape == (4, 2)
+    assert recorded[names.TRAJECTORY_PATH_LENGTH_PER_TENSOR].shape == (4, 2)
     assert_rows(run, hand_computed(7, batch_size=2), [0, 2, 4, 6])
-    assert np.isnan(recorded[UPDATE_COSINE_PER_TENSOR][0]).all()
+    assert np.isnan(recorded[names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR][0]).all()
     views = run.views(names.TRAJECTORY)
-    assert views[PATH_LENGTH_PER_TENSOR].kind == "lines"
+    assert views[names.TRAJECTORY_PATH_LENGTH_PER_TENSOR].kind == "lines"
     (settings,) = [p["settings"] for p in run.attrs[names.ATTR_PROBES]]
     assert settings["per_tensor"] is True
     plain = fit(
@@ -182,19 +179,23 @@ def test_a_tensor_outside_the_optimizer_has_no_direction(tmp_path):
 
     run = fit(FirstOnly(), tmp_path / "run.h5", [TrajectoryGeometry(per_tensor=True)], max_steps=3)
     recorded = run.series(names.TRAJECTORY)
-    np.testing.assert_array_equal(recorded[PATH_LENGTH_PER_TENSOR][:, 1], 0)
-    assert np.isnan(recorded[UPDATE_COSINE_PER_TENSOR][:, 1]).all()
-    assert np.isnan(recorded[GRADIENT_COSINE_PER_TENSOR][:, 1]).all()
+    np.testing.assert_array_equal(recorded[names.TRAJECTORY_PATH_LENGTH_PER_TENSOR][:, 1], 0)
+    assert np.isnan(recorded[names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR][:, 1]).all()
+    assert np.isnan(recorded[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR][:, 1]).all()
     # The first tensor alone is the whole update: its rows are the totals.
     np.testing.assert_allclose(
-        recorded[PATH_LENGTH_PER_TENSOR][:, 0], recorded[names.TRAJECTORY_PATH_LENGTH], rtol=1e-6
+        recorded[names.TRAJECTORY_PATH_LENGTH_PER_TENSOR][:, 0],
+        recorded[names.TRAJECTORY_PATH_LENGTH],
+        rtol=1e-6,
     )
     np.testing.assert_allclose(
-        recorded[GRADIENT_COSINE_PER_TENSOR][:, 0],
+        recorded[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR][:, 0],
         recorded[names.TRAJECTORY_GRADIENT_COSINE],
         atol=1e-6,
     )
-    assert abs(recorded[GRADIENT_COSINE_PER_TENSOR][0, 0] - 1) < 1e-6  # momentum's first step
+    assert (
+        abs(recorded[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR][0, 0] - 1) < 1e-6
+    )  # momentum's first step
 
 
 def test_accumulation_and_clipping_use_the_gradient_the_optimizer_was_handed(tmp_path):
@@ -221,8 +222,10 @@ def test_manual_optimization_records_the_path_and_says_why_not_the_gradient(tmp_
     run = fit(ManualQuadratic(), tmp_path / "run.h5", [probe], max_steps=4)
     recorded = run.series(names.TRAJECTORY)
     assert names.TRAJECTORY_GRADIENT_COSINE not in recorded.values
-    assert GRADIENT_COSINE_PER_TENSOR not in recorded.values
-    assert PATH_LENGTH_PER_TENSOR in recorded.values  # checked against the hand computation
+    assert names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR not in recorded.values
+    assert (
+        names.TRAJECTORY_PATH_LENGTH_PER_TENSOR in recorded.values
+    )  # checked against the hand computation
     assert_rows(run, hand_computed(4, batch_size=2), [0, 1, 2, 3])
     (probe,) = run.attrs[names.ATTR_PROBES]
     assert probe["settings"]["gradient"].startswith("not measured: manual optimization")
@@ -271,26 +274,26 @@ def test_training_is_bit_identical_and_lengths_agree_with_the_displacement(tmp_p
     tensors = per_tensor.series(names.TRAJECTORY)
     for name in geometry.values:
         np.testing.assert_array_equal(tensors[name], geometry[name], err_msg=name)
-    steps = np.diff(tensors[PATH_LENGTH_PER_TENSOR], axis=0, prepend=0)  # ‖Δt,i‖
+    steps = np.diff(tensors[names.TRAJECTORY_PATH_LENGTH_PER_TENSOR], axis=0, prepend=0)  # ‖Δt,i‖
     np.testing.assert_allclose(
         np.linalg.norm(steps, axis=1), displacement[names.DISPLACEMENT_UPDATE], rtol=1e-5
     )
     # One step from θ0: each tensor's path is its distance from θ0.
     np.testing.assert_allclose(
-        tensors[PATH_LENGTH_PER_TENSOR][0],
+        tensors[names.TRAJECTORY_PATH_LENGTH_PER_TENSOR][0],
         displacement[names.DISPLACEMENT_PER_TENSOR][1],
         rtol=1e-5,
     )
     # cos(Δt−1, Δt) = Σᵢ ‖Δt−1,i‖ ‖Δt,i‖ cos(Δt−1,i, Δt,i) / (‖Δt−1‖ ‖Δt‖).
     # (A conv bias before BatchNorm has no gradient: it never moves, and its cosines are NaN.)
-    cosines = tensors[UPDATE_COSINE_PER_TENSOR][1:]
+    cosines = tensors[names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR][1:]
     weights = steps[:-1] * steps[1:]
     np.testing.assert_array_equal(np.isnan(cosines), weights == 0)
     combined = np.sum(np.where(weights > 0, weights * cosines, 0), axis=1) / (
         np.linalg.norm(steps[:-1], axis=1) * np.linalg.norm(steps[1:], axis=1)
     )
     np.testing.assert_allclose(combined, geometry[names.TRAJECTORY_UPDATE_COSINE][1:], atol=1e-5)
-    gradient_cosines = tensors[GRADIENT_COSINE_PER_TENSOR]
+    gradient_cosines = tensors[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR]
     np.testing.assert_array_equal(np.isnan(gradient_cosines), steps == 0)
     assert np.all(np.abs(gradient_cosines[steps > 0]) <= 1)
 
@@ -300,7 +303,7 @@ def test_probe_contract_and_resumable_state():
     series = check_probe(TrajectoryGeometry(), Quadratic(), batch, steps=3)
     assert np.isfinite(series[names.TRAJECTORY][names.TRAJECTORY_PATH_LENGTH]).all()
     series = check_probe(TrajectoryGeometry(per_tensor=True), Quadratic(), batch, steps=3)
-    assert np.isfinite(series[names.TRAJECTORY][PATH_LENGTH_PER_TENSOR]).all()
+    assert np.isfinite(series[names.TRAJECTORY][names.TRAJECTORY_PATH_LENGTH_PER_TENSOR]).all()
 
 
 def test_report_and_compare_draw_the_series(tmp_path):
@@ -356,6 +359,6 @@ def test_a_resumed_fit_continues_the_same_path(tmp_path):
     fit_checkpointed(partial, 5, per_tensor=False)
     fit_checkpointed(partial, 7, tmp_path / "partial" / "epoch=0-step=4.ckpt")
     run = open_run(partial)
-    assert PATH_LENGTH_PER_TENSOR not in run.series(names.TRAJECTORY).values
+    assert names.TRAJECTORY_PATH_LENGTH_PER_TENSOR not in run.series(names.TRAJECTORY).values
     assert_rows(run, hand_computed(7, batch_size=4), range(7))
     assert any("per-tensor series not recorded: resumed" in e.message for e in run.events())

@@ -172,3 +172,7 @@ TRAJECTORY_PATH_LENGTH = "path_length"  # Σ_{s ≤ t} ‖Δs‖
 TRAJECTORY_TORTUOSITY = "tortuosity"  # path length / ‖θt+1 − θ0‖
 TRAJECTORY_UPDATE_COSINE = "update_cosine"  # cos(Δt−1, Δt)
 TRAJECTORY_GRADIENT_COSINE = "gradient_cosine"  # cos(Δt, −gt)
+# With per_tensor=True, the same per parameter tensor i (one column each).
+TRAJECTORY_PATH_LENGTH_PER_TENSOR = "path_length_per_tensor"  # Σ_{s ≤ t} ‖Δs,i‖
+TRAJECTORY_UPDATE_COSINE_PER_TENSOR = "update_cosine_per_tensor"  # cos(Δt−1,i, Δt,i)
+TRAJECTORY_GRADIENT_COSINE_PER_TENSOR = "gradient_cosine_per_tensor"  # cos(Δt,i, −gt,i)
