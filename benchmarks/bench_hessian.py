@@ -28,8 +28,9 @@ on the same float64 products.
    times: the median ratio of the fits' CPU times (one thread; wall time on a shared machine
    measured the neighbours) with its range. An untimed fit first checks every
    tracking record against a cold Lanczos to 1e-6 on the same operator (the same batch and
-   θ): the largest relative deviation, the products per record and the cold restarts, and
-   how many stored eigenvalues had no gap error bound (NaN) or missed theirs.
+   θ): the largest relative deviation, the products per record and the cold restarts, how
+   many stored eigenvalues had no gap error bound (NaN) or missed theirs, and the CPU time of
+   a tracked record's solve split into its products and the rest (the basis algebra).
 
 Usage: ``python benchmarks/bench_hessian.py [--reps 6] [--seeds 3] [--threads 1] [--steps 100]
 [--pairs 5] [--fit-steps 2000] [--track-tol 1e-2] [--cold-every N] [--with-lanczos]
@@ -350,6 +351,25 @@ def warm_against_cold(problem: Problem, steps: int, every: int) -> None:
     )
 
 
+class TimedProducts:
+    """An operator's products, their CPU time summed (what a record's solve spends outside
+    them is the solver's own algebra)."""
+
+    def __init__(self, operator: HessianOperator) -> None:
+        self.operator = operator
+        self.seconds = 0.0
+
+    size = property(lambda self: self.operator.size)
+    dtype = property(lambda self: self.operator.dtype)
+    device = property(lambda self: self.operator.device)
+
+    def matvec(self, vector: torch.Tensor) -> torch.Tensor:
+        start = time.process_time()
+        product = self.operator.matvec(vector)
+        self.seconds += time.process_time() - start
+        return product
+
+
 class CheckedSpectrum(HessianSpectrum):
     """The probe, each record's eigenvalues also compared with a cold Lanczos to 1e-6 on the
     same operator (its products are not the probe's: the row's ``n_hvp`` includes them, so
@@ -362,9 +382,16 @@ class CheckedSpectrum(HessianSpectrum):
         self.restarts = 0
         self.violated = 0  # eigenvalues off by more than their stored error bound
         self.unbounded = 0  # eigenvalues stored without one (NaN: no resolved gap)
+        self.product_seconds: list[float] = []  # CPU time of a tracked record's products
+        self.other_seconds: list[float] = []  # and of the rest of its solve (basis algebra)
 
     def _eigenpairs(self, operator: HessianOperator, step: int) -> Eigenpairs:
-        pairs = super()._eigenpairs(operator, step)
+        timed = TimedProducts(operator)
+        start = time.process_time()
+        pairs = super()._eigenpairs(timed, step)
+        if not pairs.restarted and step:  # a tracked record: its products against the rest
+            self.product_seconds.append(timed.seconds)
+            self.other_seconds.append(time.process_time() - start - timed.seconds)
         self.costs.append(pairs.n_hvp)
         self.restarts += pairs.restarted
         cold = lanczos(operator, self.k, 1e-6, max_hvp=5000, seed=self.seed + 1)
@@ -430,6 +457,11 @@ def tracking_cost(
             f"{min(checked.costs)}-{max(checked.costs)}), {checked.restarts} cold restart(s); "
             f"of {k * len(checked.costs)} eigenvalues, {checked.unbounded} stored without a gap "
             f"error bound (NaN) and {checked.violated} off by more than theirs"
+        )
+        print(
+            f"a tracked record's solve, CPU time median: products "
+            f"{statistics.median(checked.product_seconds) * 1e3:.1f} ms, the rest (basis "
+            f"algebra) {statistics.median(checked.other_seconds) * 1e3:.1f} ms"
         )
         ratios: dict[str, list[float]] = {name: [] for name in variants}
         for pair in range(pairs):

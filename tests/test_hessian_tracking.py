@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.curvature import (
@@ -18,6 +19,7 @@ from dynamics.curvature import (
     lanczos,
     track_eigenpairs,
 )
+from dynamics.curvature.subspace_tracking import _project_off
 from dynamics.params import flatten
 from tests.test_hessian_spectrum import _dense, _tiny, _tiny_loss_of_flat
 
@@ -254,3 +256,61 @@ def test_cold_every_makes_every_nth_record_a_cold_lanczos() -> None:
                 p.add_(1e-4)
     with pytest.raises(ValueError, match="cold_every"):
         HessianSpectrum(cold_every=-1)
+
+
+class _CountedMatmuls(TorchFunctionMode):
+    """Counts matrix products, i.e. passes over the rows a vector block is projected on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_projecting_off_the_basis_takes_a_second_pass_only_where_the_first_removed_most() -> None:
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.linalg.qr(torch.randn(200, 6, dtype=torch.float64, generator=generator)).Q.T
+    outside = torch.randn(200, dtype=torch.float64, generator=generator)
+    outside -= rows.T @ (rows @ outside)
+    outside /= torch.linalg.vector_norm(outside)
+    # A Ritz residual: orthogonal to the basis up to rounding. One pass (two products) does.
+    nearly = (outside + 1e-14 * rows[0])[None].clone()
+    with _CountedMatmuls() as counted:
+        _project_off(nearly, rows)
+    assert counted.count == 2
+    assert (rows @ nearly[0]).abs().max() <= 1e-15
+    # A vector all but inside the span: after one pass its remainder (1e-9 of it) still
+    # carries rounding of the whole vector, ~1e-7 of the remainder; the second pass removes it.
+    inside = (rows.T @ torch.ones(6, dtype=torch.float64) + 1e-9 * outside)[None].clone()
+    with _CountedMatmuls() as counted:
+        _project_off(inside, rows)
+    assert counted.count == 4
+    remainder = inside[0] / torch.linalg.vector_norm(inside[0])
+    assert (rows @ remainder).abs().max() <= 1e-12
+    assert torch.dot(remainder, outside) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_float32_tracking_at_a_tight_tol_stays_orthonormal_and_accurate_to_rounding() -> None:
+    """One projection pass per round (a second only where needed) is enough in float32 too:
+    at tol 1e-5 the residuals are 1e-5 of ‖H v‖, so the rounding left along the basis by
+    forming them is ~1e-2 of them and the first pass removes it."""
+    generator = torch.Generator().manual_seed(4)
+    q = torch.linalg.qr(torch.randn(400, 400, dtype=torch.float64, generator=generator)).Q
+    top = torch.tensor([10.0, 9.9, 9.7, 9.6, 9.5, 9.4, 9.3], dtype=torch.float64)
+    values = torch.cat([top, 5 * torch.rand(393, dtype=torch.float64, generator=generator)])
+    hessian = q @ torch.diag(values) @ q.T
+    moved = q[:, :7].T + 3e-3 * torch.randn(7, 400, dtype=torch.float64, generator=generator)
+    pairs = track_eigenpairs(DenseOperator(hessian.float()), moved.float(), 1e-5, k=5)
+    assert pairs.converged and not pairs.restarted
+    np.testing.assert_allclose(pairs.eigenvalues[:5], top[:5], rtol=1e-6)
+    vectors = pairs.eigenvectors.double()
+    np.testing.assert_allclose(vectors @ vectors.T, torch.eye(7, dtype=torch.float64), atol=1e-6)
+    direct = torch.linalg.vector_norm(
+        vectors @ hessian - pairs.eigenvalues[:, None] * vectors, dim=1
+    )
+    np.testing.assert_allclose(pairs.residuals, direct, atol=1e-6 * top[0].item())
+    assert (pairs.residuals[:5] <= 1e-5 * pairs.eigenvalues[:5]).all()
