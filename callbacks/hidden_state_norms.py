@@ -448,14 +448,14 @@ class HiddenStateNorms(Probe):
                     self._problems.setdefault(layer, problem)
                     return
                 checked = hidden.shape
-            if axis.rule == _ASSUMED and hidden.dim() >= 3 and layer not in self._warned:
-                self._warned.add(layer)
-                rank_zero_warn(
-                    f"HiddenStateNorms: {layer} ({type(module).__name__}) outputs "
-                    f"{hidden.dim()}-D tensors and contains no module of a known kind; its norm "
-                    "runs over the last axis. Set feature_dims={...: axis} if its features lie "
-                    "elsewhere."
-                )
+                if axis.rule == _ASSUMED and hidden.dim() >= 3 and layer not in self._warned:
+                    self._warned.add(layer)
+                    rank_zero_warn(
+                        f"HiddenStateNorms: {layer} ({type(module).__name__}) outputs "
+                        f"{hidden.dim()}-D tensors and contains no module of a known kind; its "
+                        "norm runs over the last axis. Set feature_dims={...: axis} if its "
+                        "features lie elsewhere."
+                    )
             # Detached device tensors only: no .item(), so no host sync in the hot path.
             hidden = hidden.detach()
             norms = torch.linalg.vector_norm(hidden, dim=axis.dim, dtype=torch.float32)

@@ -18,7 +18,7 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.callbacks.parameter_displacement import norm_groups
+from dynamics.callbacks.parameter_displacement import SizeGroups
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.params import ParameterLayout, parameter_vector, vector_hash
 
@@ -245,21 +245,24 @@ def test_a_validation_metric_never_logged_is_nan_with_one_warning_event(tmp_path
 
 
 def test_grouped_norms_equal_each_tensors_own_norm_bit_for_bit():
-    """One strided norm kernel per group of equal-sized tensors (the same parameter of each
-    block) gives every tensor's norm exactly as a norm of that tensor alone: repeated blocks, a
-    size recurring at an irregular spacing, lone sizes, and a flat vector that is itself a view."""
-    numels = [64, 64, 16384, 256, 16384, 64] * 3 + [7, 64, 5, 64, 64, 300]
+    """One norm kernel per size of tensor, over the contiguous block that size's tensors form in
+    the grouped order, gives every tensor's norm exactly as a norm of that tensor alone, in the
+    layout's order: repeated blocks, a size recurring at an irregular spacing, lone sizes, an
+    empty tensor; and the grouped order round-trips to the layout's."""
+    shapes = [(64,), (64,), (256, 64), (256,), (64, 256), (64,)] * 3
+    shapes += [(7,), (64,), (5, 1), (0,), (64,), (64,), (3, 100)]
+    layout = ParameterLayout(tuple(f"p{i}" for i in range(len(shapes))), tuple(shapes))
+    groups = SizeGroups(layout)
+    assert len(groups.blocks) == len(set(layout.numels))
     torch.manual_seed(0)
-    storage = torch.randn(sum(numels) + 3) * torch.rand(sum(numels) + 3) * 10
-    flat = storage[3:]
-    groups = norm_groups(numels, flat)
-    assert len(groups) < len(numels)
-    covered = sorted(i for tensors, _ in groups for i in range(len(numels))[tensors])
-    assert covered == list(range(len(numels)))
-    per_tensor = flat.new_empty(len(numels))
-    for tensors, view in groups:
-        torch.linalg.vector_norm(view, dim=1, out=per_tensor[tensors])
-    assert torch.equal(per_tensor, torch.stack([d.norm() for d in flat.split(numels)]))
+    vector = torch.randn(layout.size) * torch.rand(layout.size) * 10
+    grouped = groups.grouped(vector)
+    assert torch.equal(groups.in_layout_order(grouped), vector)
+    for view, piece in zip(groups.views(grouped), layout.split(vector)):
+        assert torch.equal(view, piece)
+    assert torch.equal(
+        groups.norms(grouped), torch.stack([piece.norm() for piece in layout.split(vector)])
+    )
 
 
 def test_lightning_skips_the_per_step_hooks_the_recorder_does_not_use(tmp_path):
