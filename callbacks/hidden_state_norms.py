@@ -249,17 +249,23 @@ class HiddenStateNorms(Probe):
                 f"HiddenStateNorms: {type(pl_module).__name__} has no submodule to record"
             )
         axes = {n: self._axis(n, named[n]) for n in layers}
-        for layer in layers:
-            hook = self._norm_hook(layer, axes[layer])
-            self._handles.append(named[layer].register_forward_hook(hook))
         if self.unit_health:
             self.unit_kinds = {
                 n: kind for n in activation_layers if (kind := unit_kind(named[n])) is not None
             }
             self._unit_axes = {n: self._unit_axis(n, named, pl_module) for n in self.unit_kinds}
+        # One list per layer and value for the whole fit, emptied at each due step: the hooks
+        # hold their own lists, so a call appends without looking anything up.
+        self._norms = {n: [] for n in layers}
+        self._biases = {n: [] for n in activation_layers}
+        self._units = {n: [] for n in self.unit_kinds}
+        self.layers, self.activation_layers = layers, activation_layers
+        self._nonfinite = {n: [] for n in self._recorded_outputs()} if self.unit_health else {}
+        for layer in layers:
+            hook = self._norm_hook(layer, axes[layer])
+            self._handles.append(named[layer].register_forward_hook(hook))
         for layer in activation_layers:
             self._handles.append(named[layer].register_forward_hook(self._bias_hook(layer)))
-        self.layers, self.activation_layers = layers, activation_layers
         self._report = {
             "layers": {
                 n: {"class": type(named[n]).__name__, "feature_dim": a.dim, "rule": a.rule}
@@ -325,11 +331,9 @@ class HiddenStateNorms(Probe):
         }
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
-        self._norms = {layer: [] for layer in self.layers}
-        self._biases = {layer: [] for layer in self.activation_layers}
-        if self.unit_health:
-            self._units = {layer: [] for layer in self.unit_kinds}
-            self._nonfinite = {layer: [] for layer in self._recorded_outputs()}
+        for values in (self._norms, self._biases, self._units, self._nonfinite):
+            for calls in values.values():
+                calls.clear()
         self._problems = {}
         self._step = step
         self._armed = True
@@ -436,12 +440,14 @@ class HiddenStateNorms(Probe):
 
     def _norm_hook(self, layer: str, axis: _Axis):
         checked: torch.Size | None = None  # the last output shape found right for the axis
+        norms_of_calls, dim = self._norms[layer], axis.dim
+        nonfinite = self._nonfinite.get(layer)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             nonlocal checked
             if not self._armed or in_extra_pass():  # not a probe's own extra forward
                 return
-            hidden = _first_tensor(output)
+            hidden = output if type(output) is torch.Tensor else _first_tensor(output)
             if hidden is None or hidden.shape != checked:
                 problem = _axis_problem(hidden, output, axis)
                 if problem:
@@ -458,28 +464,32 @@ class HiddenStateNorms(Probe):
                     )
             # Detached device tensors only: no .item(), so no host sync in the hot path.
             hidden = hidden.detach()
-            norms = torch.linalg.vector_norm(hidden, dim=axis.dim, dtype=torch.float32)
-            self._norms[layer].append(norms.mean())
-            if self.unit_health:
-                self._nonfinite[layer].append(nonfinite_fraction(hidden))
+            norms = torch.linalg.vector_norm(hidden, dim=dim, dtype=torch.float32)
+            norms_of_calls.append(norms.mean())
+            if nonfinite is not None:
+                nonfinite.append(nonfinite_fraction(hidden))
 
         return hook
 
     def _bias_hook(self, layer: str):
+        biases = self._biases[layer]
+        # Non-finite values are counted here unless the layer's norm hook counts them.
+        nonfinite = self._nonfinite.get(layer) if layer not in self._norms else None
+        units = layer in self._units
+
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._armed or in_extra_pass():  # not a probe's own extra forward
                 return
-            hidden = _first_tensor(output)
+            hidden = output if type(output) is torch.Tensor else _first_tensor(output)
             if hidden is None:
                 self._problems.setdefault(layer, f"outputs a {type(output).__name__}, no tensor")
                 return
             hidden = hidden.detach()
-            self._biases[layer].append(hidden.mean(dtype=torch.float32))
-            if self.unit_health:
-                if layer not in self._norms:  # else its norm hook counted it
-                    self._nonfinite[layer].append(nonfinite_fraction(hidden))
-                if layer in self._units:
-                    self._record_units(layer, hidden)
+            biases.append(hidden.mean(dtype=torch.float32))
+            if nonfinite is not None:
+                nonfinite.append(nonfinite_fraction(hidden))
+            if units:
+                self._record_units(layer, hidden)
 
         return hook
 
