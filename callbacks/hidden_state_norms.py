@@ -610,9 +610,10 @@ def _means(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torc
     # A layer not called in this step (a branch not taken) reads NaN rather than a made-up 0.
     # Rows stay on the device; the writer copies a whole block to the host at once.
     # The usual step calls each layer once: its value as it is, no op but the stack.
-    means = [
-        (v[0] if len(v) == 1 else sum(v) / len(v)) if (v := values[k]) else None for k in layers
-    ]
+    calls = [values[k] for k in layers]
+    if all(len(c) == 1 for c in calls):
+        return torch.stack([c[0] for c in calls])
+    means = [(c[0] if len(c) == 1 else sum(c) / len(c)) if c else None for c in calls]
     if any(m is None for m in means):  # `None in` would compare tensors with ==
         device = next((m.device for m in means if m is not None), torch.device("cpu"))
         nan = torch.full((), float("nan"), device=device)

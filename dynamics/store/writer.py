@@ -695,8 +695,9 @@ def _rows_through(group: h5py.Group, through_step: int) -> int:
 def _stack(values: list[Any]) -> np.ndarray:
     torch = _torch()
     if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
-        # One device-to-host copy per block rather than per row.
-        return _to_numpy(torch.stack([v.detach() for v in values]))
+        # One device-to-host copy per block rather than per row; _to_numpy detaches the block
+        # (a detach per row would cost more than the stack).
+        return _to_numpy(torch.stack(values))
     return np.stack([_to_numpy(v) for v in values])
 
 
