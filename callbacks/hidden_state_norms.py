@@ -353,7 +353,8 @@ class HiddenStateNorms(Probe):
             )
         if not self.layers:
             return {}
-        rows: Rows = {names.HIDDEN_NORMS: {names.HIDDEN_NORM: _means(self._norms, self.layers)}}
+        norms = _mean_norms(self._norms, self.layers)
+        rows: Rows = {names.HIDDEN_NORMS: {names.HIDDEN_NORM: norms}}
         if self.activation_layers:
             biases = _means(self._biases, self.activation_layers)
             rows[names.ACTIVATION_BIAS] = {names.ACTIVATION_MEAN: biases}
@@ -464,8 +465,8 @@ class HiddenStateNorms(Probe):
                     )
             # Detached device tensors only: no .item(), so no host sync in the hot path.
             hidden = hidden.detach()
-            norms = torch.linalg.vector_norm(hidden, dim=dim, dtype=torch.float32)
-            norms_of_calls.append(norms.mean())
+            # The mean over batch and positions waits for on_step_end, one op for all layers.
+            norms_of_calls.append(torch.linalg.vector_norm(hidden, dim=dim, dtype=torch.float32))
             if nonfinite is not None:
                 nonfinite.append(nonfinite_fraction(hidden))
 
@@ -604,6 +605,22 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     return None
+
+
+def _mean_norms(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torch.Tensor:
+    """Each layer's norms (one tensor per call) averaged over batch and positions, then over
+    the step's calls, as in :func:`_means`.
+
+    The usual step calls each layer once with outputs of one shape: its norms are stacked and
+    averaged in one op (each row reduced as its own mean would be).
+    """
+    calls = [values[k] for k in layers]
+    shape = calls[0][0].shape if calls[0] else None
+    if all(len(c) == 1 and c[0].shape == shape for c in calls):
+        stacked = torch.stack([c[0] for c in calls])
+        # Norms of 1-D outputs are scalars already (a mean over no dims would reduce them all).
+        return stacked.mean(dim=tuple(range(1, stacked.dim()))) if stacked.dim() > 1 else stacked
+    return _means({k: [norms.mean() for norms in values[k]] for k in layers}, layers)
 
 
 def _means(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torch.Tensor:
