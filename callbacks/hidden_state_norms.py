@@ -619,7 +619,8 @@ def _mean_norms(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) ->
     if all(len(c) == 1 and c[0].shape == shape for c in calls):
         stacked = torch.stack([c[0] for c in calls])
         # Norms of 1-D outputs are scalars already (a mean over no dims would reduce them all).
-        return stacked.mean(dim=tuple(range(1, stacked.dim()))) if stacked.dim() > 1 else stacked
+        # (An int dim costs half what a tuple of dims does.)
+        return stacked.flatten(1).mean(dim=1) if stacked.dim() > 1 else stacked
     return _means({k: [norms.mean() for norms in values[k]] for k in layers}, layers)
 
 
