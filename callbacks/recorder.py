@@ -314,12 +314,13 @@ class RecorderBase:
         }
         if not trainer.is_global_zero:
             return
-        # Large rows (snapshots) are written once about two parameter vectors are buffered, so
-        # the recorder's memory stays a small multiple of the model's.
+        # A row of a parameter vector's bytes (a snapshot) is written as it arrives, so the
+        # recorder holds no snapshot between steps; smaller rows of small models (under 256 KiB)
+        # are gathered into blocks of that size rather than written one HDF5 call each.
         param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         writer_options = {
             "block_rows": self.block_rows,
-            "block_bytes": max(1 << 20, 2 * param_bytes),
+            "block_bytes": max(256 << 10, param_bytes),
             "flush_interval_s": self.flush_interval_s,
         }
         if self._resume_from is not None:

@@ -693,6 +693,8 @@ def _rows_through(group: h5py.Group, through_step: int) -> int:
 
 
 def _stack(values: list[Any]) -> np.ndarray:
+    if len(values) == 1:  # a lone large row (a snapshot): a view of it, no copy on the host
+        return _to_numpy(values[0])[None]
     torch = _torch()
     if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
         # One device-to-host copy per block rather than per row; _to_numpy detaches the block
