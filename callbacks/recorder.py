@@ -219,17 +219,18 @@ class RecorderBase:
             return
         step, due = self._armed
         for probe in self._active(due):
-            self._call(
-                trainer,
-                probe,
-                step,
-                probe.on_micro_batch_end,
-                trainer,
-                pl_module,
-                batch,
-                outputs,
-                step,
-            )
+            if type(probe).on_micro_batch_end is not Probe.on_micro_batch_end:  # else a no-op
+                self._call(
+                    trainer,
+                    probe,
+                    step,
+                    probe.on_micro_batch_end,
+                    trainer,
+                    pl_module,
+                    batch,
+                    outputs,
+                    step,
+                )
         if trainer.global_step == step:
             return  # gradient accumulation: the optimizer has not stepped yet
         self._armed = None
