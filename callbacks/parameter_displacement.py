@@ -319,11 +319,13 @@ class SizeGroups:
             else:
                 start = offsets[position]
                 self.blocks.append((position, position + 1, numel, start, start + numel))
+        self._block_sizes = [end - start for *_, start, end in self.blocks]
         # Where each tensor's norm lands among the grouped norms: gathers them in layout order.
         self._positions = torch.tensor(
             sorted(range(len(numels)), key=self.order.__getitem__), dtype=torch.long
         )
-        self._device_positions: dict[torch.device, torch.Tensor] = {}
+        # Per device and dtype: the grouped norms' buffer, its slice per block, the positions.
+        self._outputs: dict[tuple, tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]] = {}
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a grouped ``flat`` vector shaped like each tensor, in the layout's order."""
@@ -342,12 +344,19 @@ class SizeGroups:
         return torch.cat([view.reshape(-1) for view in self.views(flat)])
 
     def norms(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each tensor's L2 norm of a grouped ``flat`` vector, in the layout's order."""
-        grouped = flat.new_empty(len(self.order))
-        for first, last, numel, start, end in self.blocks:
-            block = flat[start:end].view(last - first, numel)
-            torch.linalg.vector_norm(block, dim=1, out=grouped[first:last])
-        positions = self._device_positions.get(flat.device)
-        if positions is None:
-            positions = self._device_positions[flat.device] = self._positions.to(flat.device)
+        """Each tensor's L2 norm of a grouped ``flat`` vector, in the layout's order (a new
+        tensor)."""
+        outputs = self._outputs.get((flat.device, flat.dtype))
+        if outputs is None:
+            grouped = flat.new_empty(len(self.order))
+            outputs = self._outputs[flat.device, flat.dtype] = (
+                grouped,
+                [grouped[first:last] for first, last, *_ in self.blocks],
+                self._positions.to(flat.device),
+            )
+        grouped, slices, positions = outputs
+        for block, (first, last, numel, _, _), out in zip(
+            torch.split(flat, self._block_sizes), self.blocks, slices
+        ):
+            torch.linalg.vector_norm(block.view(last - first, numel), dim=1, out=out)
         return grouped[positions]

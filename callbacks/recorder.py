@@ -219,7 +219,8 @@ class RecorderBase:
             return
         step, due = self._armed
         for probe in self._active(due):
-            if type(probe).on_micro_batch_end is not Probe.on_micro_batch_end:  # else a no-op
+            # Probe's own hook is a no-op (a wrapper defining it per instance is called).
+            if getattr(type(probe), "on_micro_batch_end", None) is not Probe.on_micro_batch_end:
                 self._call(
                     trainer,
                     probe,
