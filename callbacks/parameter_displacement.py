@@ -292,8 +292,9 @@ class SizeGroups:
 
     In this order each size's tensors form one contiguous ``(k, n)`` block, so one norm kernel
     over its rows gives the k tensors' norms, each the same float as a norm of that tensor alone
-    (the same elements reduced in the same order); strided views over the layout's own order
-    are several times slower on the CPU. Within a size, tensors keep the layout's order.
+    (the same elements reduced in the same order). Strided views over the layout's own order
+    need a kernel per regularly spaced run of a size (10 instead of 3 on a 4-block residual MLP)
+    and took 1.6 times as long on the CPU. Within a size, tensors keep the layout's order.
 
     Args:
         layout: the parameters' layout.
