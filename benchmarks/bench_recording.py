@@ -6,7 +6,8 @@ parameters, batch 32 × 64 bytes). Each is trained with the recorder (training l
 hidden-state norms and activation bias, displacement every step, snapshots within the budget)
 and without it in alternating pairs, in one process; prints, per variant, the wall-time ratio
 recorded/bare of each pair as "median (min–max) over N pairs", and the recorder's peak extra
-memory as a multiple of the model's parameter bytes. ``--unit-health`` also times
+memory as a multiple of the model's parameter bytes (what it holds at batch ends, between steps:
+temporaries inside a probe's hook are not seen). ``--unit-health`` also times
 HiddenStateNorms(unit_health=True) every step; ``--hessian`` the curvature probe (top-5 every 50
 steps). Wall times on a shared machine are noisy: quote the median of many pairs with the
 machine's load (``uptime``) beside it; the process's CPU-time ratio, printed beside, is far
@@ -54,7 +55,8 @@ METERED_STEPS = 300
 
 
 class HeldBytes(pl.Callback):
-    """Peak bytes of tensors and arrays the recorder holds beyond the model's own parameters."""
+    """Peak bytes of tensors and arrays the recorder holds beyond the model's own parameters,
+    read at each batch end."""
 
     def __init__(self, recorder: DynamicsRecorder) -> None:
         self.recorder, self.peak = recorder, 0

@@ -249,17 +249,23 @@ class HiddenStateNorms(Probe):
                 f"HiddenStateNorms: {type(pl_module).__name__} has no submodule to record"
             )
         axes = {n: self._axis(n, named[n]) for n in layers}
-        for layer in layers:
-            hook = self._norm_hook(layer, axes[layer])
-            self._handles.append(named[layer].register_forward_hook(hook))
         if self.unit_health:
             self.unit_kinds = {
                 n: kind for n in activation_layers if (kind := unit_kind(named[n])) is not None
             }
             self._unit_axes = {n: self._unit_axis(n, named, pl_module) for n in self.unit_kinds}
+        # One list per layer and value for the whole fit, emptied at each due step: the hooks
+        # hold their own lists, so a call appends without looking anything up.
+        self._norms = {n: [] for n in layers}
+        self._biases = {n: [] for n in activation_layers}
+        self._units = {n: [] for n in self.unit_kinds}
+        self.layers, self.activation_layers = layers, activation_layers
+        self._nonfinite = {n: [] for n in self._recorded_outputs()} if self.unit_health else {}
+        for layer in layers:
+            hook = self._norm_hook(layer, axes[layer])
+            self._handles.append(named[layer].register_forward_hook(hook))
         for layer in activation_layers:
             self._handles.append(named[layer].register_forward_hook(self._bias_hook(layer)))
-        self.layers, self.activation_layers = layers, activation_layers
         self._report = {
             "layers": {
                 n: {"class": type(named[n]).__name__, "feature_dim": a.dim, "rule": a.rule}
@@ -325,11 +331,9 @@ class HiddenStateNorms(Probe):
         }
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
-        self._norms = {layer: [] for layer in self.layers}
-        self._biases = {layer: [] for layer in self.activation_layers}
-        if self.unit_health:
-            self._units = {layer: [] for layer in self.unit_kinds}
-            self._nonfinite = {layer: [] for layer in self._recorded_outputs()}
+        for values in (self._norms, self._biases, self._units, self._nonfinite):
+            for calls in values.values():
+                calls.clear()
         self._problems = {}
         self._step = step
         self._armed = True
@@ -349,7 +353,8 @@ class HiddenStateNorms(Probe):
             )
         if not self.layers:
             return {}
-        rows: Rows = {names.HIDDEN_NORMS: {names.HIDDEN_NORM: _means(self._norms, self.layers)}}
+        norms = _mean_norms(self._norms, self.layers)
+        rows: Rows = {names.HIDDEN_NORMS: {names.HIDDEN_NORM: norms}}
         if self.activation_layers:
             biases = _means(self._biases, self.activation_layers)
             rows[names.ACTIVATION_BIAS] = {names.ACTIVATION_MEAN: biases}
@@ -436,50 +441,56 @@ class HiddenStateNorms(Probe):
 
     def _norm_hook(self, layer: str, axis: _Axis):
         checked: torch.Size | None = None  # the last output shape found right for the axis
+        norms_of_calls, dim = self._norms[layer], axis.dim
+        nonfinite = self._nonfinite.get(layer)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             nonlocal checked
             if not self._armed or in_extra_pass():  # not a probe's own extra forward
                 return
-            hidden = _first_tensor(output)
+            hidden = output if type(output) is torch.Tensor else _first_tensor(output)
             if hidden is None or hidden.shape != checked:
                 problem = _axis_problem(hidden, output, axis)
                 if problem:
                     self._problems.setdefault(layer, problem)
                     return
                 checked = hidden.shape
-            if axis.rule == _ASSUMED and hidden.dim() >= 3 and layer not in self._warned:
-                self._warned.add(layer)
-                rank_zero_warn(
-                    f"HiddenStateNorms: {layer} ({type(module).__name__}) outputs "
-                    f"{hidden.dim()}-D tensors and contains no module of a known kind; its norm "
-                    "runs over the last axis. Set feature_dims={...: axis} if its features lie "
-                    "elsewhere."
-                )
+                if axis.rule == _ASSUMED and hidden.dim() >= 3 and layer not in self._warned:
+                    self._warned.add(layer)
+                    rank_zero_warn(
+                        f"HiddenStateNorms: {layer} ({type(module).__name__}) outputs "
+                        f"{hidden.dim()}-D tensors and contains no module of a known kind; its "
+                        "norm runs over the last axis. Set feature_dims={...: axis} if its "
+                        "features lie elsewhere."
+                    )
             # Detached device tensors only: no .item(), so no host sync in the hot path.
             hidden = hidden.detach()
-            norms = torch.linalg.vector_norm(hidden, dim=axis.dim, dtype=torch.float32)
-            self._norms[layer].append(norms.mean())
-            if self.unit_health:
-                self._nonfinite[layer].append(nonfinite_fraction(hidden))
+            # The mean over batch and positions waits for on_step_end, one op for all layers.
+            norms_of_calls.append(torch.linalg.vector_norm(hidden, dim=dim, dtype=torch.float32))
+            if nonfinite is not None:
+                nonfinite.append(nonfinite_fraction(hidden))
 
         return hook
 
     def _bias_hook(self, layer: str):
+        biases = self._biases[layer]
+        # Non-finite values are counted here unless the layer's norm hook counts them.
+        nonfinite = self._nonfinite.get(layer) if layer not in self._norms else None
+        units = layer in self._units
+
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._armed or in_extra_pass():  # not a probe's own extra forward
                 return
-            hidden = _first_tensor(output)
+            hidden = output if type(output) is torch.Tensor else _first_tensor(output)
             if hidden is None:
                 self._problems.setdefault(layer, f"outputs a {type(output).__name__}, no tensor")
                 return
             hidden = hidden.detach()
-            self._biases[layer].append(hidden.mean(dtype=torch.float32))
-            if self.unit_health:
-                if layer not in self._norms:  # else its norm hook counted it
-                    self._nonfinite[layer].append(nonfinite_fraction(hidden))
-                if layer in self._units:
-                    self._record_units(layer, hidden)
+            biases.append(hidden.mean(dtype=torch.float32))
+            if nonfinite is not None:
+                nonfinite.append(nonfinite_fraction(hidden))
+            if units:
+                self._record_units(layer, hidden)
 
         return hook
 
@@ -596,13 +607,31 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _mean_norms(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torch.Tensor:
+    """Each layer's norms (one tensor per call) averaged over batch and positions, then over
+    the step's calls, as in :func:`_means`.
+
+    The usual step calls each layer once with outputs of one shape: its norms are stacked and
+    averaged in one op (each row reduced as its own mean would be).
+    """
+    calls = [values[k] for k in layers]
+    shape = calls[0][0].shape if calls[0] else None
+    if all(len(c) == 1 and c[0].shape == shape for c in calls):
+        stacked = torch.stack([c[0] for c in calls])
+        # Norms of 1-D outputs are scalars already (a mean over no dims would reduce them all).
+        # (An int dim costs half what a tuple of dims does.)
+        return stacked.flatten(1).mean(dim=1) if stacked.dim() > 1 else stacked
+    return _means({k: [norms.mean() for norms in values[k]] for k in layers}, layers)
+
+
 def _means(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torch.Tensor:
     # A layer not called in this step (a branch not taken) reads NaN rather than a made-up 0.
     # Rows stay on the device; the writer copies a whole block to the host at once.
     # The usual step calls each layer once: its value as it is, no op but the stack.
-    means = [
-        (v[0] if len(v) == 1 else sum(v) / len(v)) if (v := values[k]) else None for k in layers
-    ]
+    calls = [values[k] for k in layers]
+    if all(len(c) == 1 for c in calls):
+        return torch.stack([c[0] for c in calls])
+    means = [(c[0] if len(c) == 1 else sum(c) / len(c)) if c else None for c in calls]
     if any(m is None for m in means):  # `None in` would compare tensors with ==
         device = next((m.device for m in means if m is not None), torch.device("cpu"))
         nan = torch.full((), float("nan"), device=device)

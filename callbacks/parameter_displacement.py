@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,15 +74,16 @@ class ParameterDisplacement(Probe):
         self.snapshot_period = 0  # 0: no snapshots
         self._expected_steps = math.inf  # the Trainer's estimate of the run's optimizer steps
         self._params: list[torch.Tensor] = []
+        # θ0 and θ_step are kept in one flat order that puts tensors of equal size side by side
+        # (``SizeGroups``), so that each size's norms are one kernel over a contiguous block.
+        self._groups: SizeGroups | None = None
+        # θ0: in the grouped order once setup has grouped it, in layout order before.
         self._theta0: torch.Tensor | None = None
         self._buffers0: dict[str, torch.Tensor] | None = None  # {stored dtype: flat buffers}
-        # θ_step, copied before a due step into one buffer preallocated at setup, and its
-        # per-tensor views; the difference from θ0 goes to a second preallocated buffer, whose
-        # per-tensor norms are taken over the strided views of norm_groups.
+        # θ_step, copied before a due step into one buffer preallocated at setup, through its
+        # per-tensor views (in the parameters' order).
         self._before: torch.Tensor | None = None
         self._before_views: list[torch.Tensor] = []
-        self._difference: torch.Tensor | None = None
-        self._difference_groups: list[tuple[slice, torch.Tensor]] = []
         self._copied = False  # whether _before holds this step's θ_step
         self._buffers_before: dict[str, torch.Tensor] = {}  # its buffers, on snapshot steps
 
@@ -96,14 +96,14 @@ class ParameterDisplacement(Probe):
         self.buffer_layout = BufferLayout.of(pl_module)
         # Detached views of the parameters: the optimizer's in-place updates show through.
         self._params = [p.detach() for p in self.layout.parameters(pl_module)]
-        if self._theta0 is None:  # a resumed fit restored θ0 from the checkpoint
-            self._theta0 = parameter_vector(pl_module, self.layout)
+        theta0 = self._theta0_in_layout_order()  # a resumed fit restored it from the checkpoint
+        self._groups = SizeGroups(self.layout)
+        if theta0 is None:
+            theta0 = parameter_vector(pl_module, self.layout)
             self._buffers0 = self.buffer_layout.vectors(pl_module)
-        self._theta0 = self._theta0.to(self._params[0].device)
+        self._theta0 = self._groups.grouped(theta0.to(self._params[0].device))
         self._before = torch.empty_like(self._theta0)
-        self._difference = torch.empty_like(self._theta0)
-        self._before_views = self.layout.split(self._before)
-        self._difference_groups = norm_groups(self.layout.numels, self._difference)
+        self._before_views = self._groups.views(self._before)
         steps = trainer.estimated_stepping_batches
         # Lightning answers -1 (max_steps' default) for an iterable dataset of unknown length.
         self._expected_steps = steps if 0 < steps < math.inf else math.inf
@@ -168,7 +168,7 @@ class ParameterDisplacement(Probe):
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
         return {
-            names.THETA0: self._theta0.cpu().numpy(),
+            names.THETA0: self._theta0_in_layout_order().cpu().numpy(),
             **self._buffer_arrays(names.THETA0_BUFFERS, self._buffers0),
         }
 
@@ -192,19 +192,15 @@ class ParameterDisplacement(Probe):
         if self._snapshot_due(step):
             buffers, self._buffers_before = self._buffers_before, {}
             rows[names.SNAPSHOTS] = {
-                names.SNAPSHOT_THETA: self._before.clone(),  # the buffer is reused next step
+                # A copy in the layout's order: the buffer is reused next step.
+                names.SNAPSHOT_THETA: self._groups.in_layout_order(self._before),
                 **{names.buffer_vector(names.SNAPSHOT_BUFFERS, d): b for d, b in buffers.items()},
             }
         if super().is_due(step):
-            # θ_step − θ0 in one flat op, then one norm kernel per group of equal-sized tensors
-            # (the same parameter of each block) over a strided view; then θ_step − θ_step+1 in
-            # place, per tensor, and one norm of the whole buffer. On the CPU each value is the
-            # same float as from flat copies of θ (the same elements reduced in the same order),
-            # without concatenating the parameters twice a step.
-            torch.sub(self._before, self._theta0, out=self._difference)
-            per_tensor = self._difference.new_empty(len(self._params))
-            for tensors, view in self._difference_groups:
-                torch.linalg.vector_norm(view, dim=1, out=per_tensor[tensors])
+            # θ_step − θ0 in one flat op and one norm kernel per size of tensor; then
+            # θ_step − θ_step+1 in place, per tensor, and one norm of the whole buffer. The
+            # difference is a temporary: between steps the probe holds θ0 and θ_step only.
+            per_tensor = self._groups.norms(torch.sub(self._before, self._theta0))
             torch._foreach_sub_(self._before_views, self._params)
             rows[names.DISPLACEMENT] = {
                 names.DISPLACEMENT_TOTAL: torch.linalg.vector_norm(per_tensor),
@@ -226,7 +222,9 @@ class ParameterDisplacement(Probe):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "theta0": self._theta0.cpu() if self._theta0 is not None else None,
+            "theta0": theta0.cpu()
+            if (theta0 := self._theta0_in_layout_order()) is not None
+            else None,
             "buffers0": (
                 {d: b.cpu() for d, b in self._buffers0.items()}
                 if self._buffers0 is not None
@@ -235,8 +233,13 @@ class ParameterDisplacement(Probe):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._theta0 = state.get("theta0")
+        self._theta0, self._groups = state.get("theta0"), None  # in layout order until setup
         self._buffers0 = state.get("buffers0")
+
+    def _theta0_in_layout_order(self) -> torch.Tensor | None:
+        if self._theta0 is None or self._groups is None:
+            return self._theta0
+        return self._groups.in_layout_order(self._theta0)
 
     def _flat_parameters(self) -> torch.Tensor:
         return torch.cat([p.reshape(-1) for p in self._params])
@@ -284,35 +287,77 @@ class ParameterDisplacement(Probe):
         return max(1, math.ceil(self._expected_steps / (capacity - 1))), ""
 
 
-def norm_groups(numels: Sequence[int], flat: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
-    """Strided ``(k, n)`` views of ``flat`` (the concatenation of tensors of sizes ``numels``),
-    each gathering k tensors of one size at a regular spacing in ``flat`` and in the tensor order
-    (the same parameter in each of k identical blocks), with the slice of tensor indices it holds.
+class SizeGroups:
+    """A flat order for a layout's tensors that puts tensors of equal size side by side.
 
-    One norm kernel over a view's rows replaces k calls, a tensor's row holding its elements in
-    the order a norm of the tensor alone reduces them.
+    In this order each size's tensors form one contiguous ``(k, n)`` block, so one norm kernel
+    over its rows gives the k tensors' norms, each the same float as a norm of that tensor alone
+    (the same elements reduced in the same order). Strided views over the layout's own order
+    need a kernel per regularly spaced run of a size (10 instead of 3 on a 4-block residual MLP)
+    and took 1.6 times as long on the CPU. Within a size, tensors keep the layout's order.
+
+    Args:
+        layout: the parameters' layout.
     """
-    offsets = list(itertools.accumulate(numels, initial=0))
-    runs: list[list[int]] = []
-    open_runs: dict[int, list[int]] = {}  # the run each size extends next
-    for i, numel in enumerate(numels):
-        run = open_runs.get(numel)
-        if run is not None and (
-            len(run) == 1
-            or (i - run[-1], offsets[i] - offsets[run[-1]])
-            == (run[1] - run[0], offsets[run[1]] - offsets[run[0]])
-        ):
-            run.append(i)
-            continue
-        open_runs[numel] = [i]
-        runs.append(open_runs[numel])
-    groups = []
-    for run in runs:
-        first, numel = run[0], numels[run[0]]
-        index_step = run[1] - first if len(run) > 1 else 1
-        spacing = offsets[run[1]] - offsets[first] if len(run) > 1 else numel
-        view = flat.as_strided(
-            (len(run), numel), (spacing, 1), flat.storage_offset() + offsets[first]
+
+    def __init__(self, layout: ParameterLayout) -> None:
+        numels = layout.numels
+        self.order = sorted(range(len(numels)), key=numels.__getitem__)  # stable
+        self.shapes = layout.shapes
+        offsets = list(itertools.accumulate((numels[i] for i in self.order), initial=0))
+        self.offsets = [0] * len(numels)  # each tensor's start in the grouped order
+        for position, i in enumerate(self.order):
+            self.offsets[i] = offsets[position]
+        self.numels = numels
+        # Each size's block: its first and last position + 1, its tensors' numel, and its
+        # start and end in the flat vector.
+        self.blocks: list[tuple[int, int, int, int, int]] = []
+        for position, i in enumerate(self.order):
+            numel = numels[i]
+            if self.blocks and self.blocks[-1][2] == numel:
+                first, _, _, start, end = self.blocks[-1]
+                self.blocks[-1] = (first, position + 1, numel, start, end + numel)
+            else:
+                start = offsets[position]
+                self.blocks.append((position, position + 1, numel, start, start + numel))
+        self._block_sizes = [end - start for *_, start, end in self.blocks]
+        # Where each tensor's norm lands among the grouped norms: gathers them in layout order.
+        self._positions = torch.tensor(
+            sorted(range(len(numels)), key=self.order.__getitem__), dtype=torch.long
         )
-        groups.append((slice(first, run[-1] + 1, index_step), view))
-    return groups
+        # Per device and dtype: the grouped norms' buffer, its slice per block, the positions.
+        self._outputs: dict[tuple, tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]] = {}
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a grouped ``flat`` vector shaped like each tensor, in the layout's order."""
+        return [
+            flat[o : o + n].view(shape)
+            for o, n, shape in zip(self.offsets, self.numels, self.shapes)
+        ]
+
+    def grouped(self, vector: torch.Tensor) -> torch.Tensor:
+        """A layout-ordered flat ``vector`` in the grouped order (a copy)."""
+        pieces = torch.split(vector, self.numels)
+        return torch.cat([pieces[i] for i in self.order])
+
+    def in_layout_order(self, flat: torch.Tensor) -> torch.Tensor:
+        """A grouped ``flat`` vector in the layout's order (a copy)."""
+        return torch.cat([view.reshape(-1) for view in self.views(flat)])
+
+    def norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each tensor's L2 norm of a grouped ``flat`` vector, in the layout's order (a new
+        tensor)."""
+        outputs = self._outputs.get((flat.device, flat.dtype))
+        if outputs is None:
+            grouped = flat.new_empty(len(self.order))
+            outputs = self._outputs[flat.device, flat.dtype] = (
+                grouped,
+                [grouped[first:last] for first, last, *_ in self.blocks],
+                self._positions.to(flat.device),
+            )
+        grouped, slices, positions = outputs
+        for block, (first, last, numel, _, _), out in zip(
+            torch.split(flat, self._block_sizes), self.blocks, slices
+        ):
+            torch.linalg.vector_norm(block.view(last - first, numel), dim=1, out=out)
+        return grouped[positions]

@@ -149,6 +149,7 @@ class RecorderBase:
         self._last_rows: dict[str, int] = {}  # last step written, per series group
         self._disabled: set[str] = set()  # names of probes out of the run
         self._series: dict[str, dict[str, SeriesSpec]] = {}  # declared series, per group
+        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # their row shapes
         self._vectors: dict[str, SeriesSpec] = {}  # declared vectors
         self._owners: dict[str, str] = {}  # the probe that declared each group and vector
         self._unwritten_events: list[tuple[int, str, str, str]] = []  # before the file exists
@@ -218,17 +219,19 @@ class RecorderBase:
             return
         step, due = self._armed
         for probe in self._active(due):
-            self._call(
-                trainer,
-                probe,
-                step,
-                probe.on_micro_batch_end,
-                trainer,
-                pl_module,
-                batch,
-                outputs,
-                step,
-            )
+            # Probe's own hook is a no-op (a wrapper defining it per instance is called).
+            if getattr(type(probe), "on_micro_batch_end", None) is not Probe.on_micro_batch_end:
+                self._call(
+                    trainer,
+                    probe,
+                    step,
+                    probe.on_micro_batch_end,
+                    trainer,
+                    pl_module,
+                    batch,
+                    outputs,
+                    step,
+                )
         if trainer.global_step == step:
             return  # gradient accumulation: the optimizer has not stepped yet
         self._armed = None
@@ -313,12 +316,13 @@ class RecorderBase:
         }
         if not trainer.is_global_zero:
             return
-        # Large rows (snapshots) are written once about two parameter vectors are buffered, so
-        # the recorder's memory stays a small multiple of the model's.
+        # A row of a parameter vector's bytes (a snapshot) is written as it arrives, so the
+        # recorder holds no snapshot between steps; smaller rows of small models (under 256 KiB)
+        # are gathered into blocks of that size rather than written one HDF5 call each.
         param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         writer_options = {
             "block_rows": self.block_rows,
-            "block_bytes": max(1 << 20, 2 * param_bytes),
+            "block_bytes": max(256 << 10, param_bytes),
             "flush_interval_s": self.flush_interval_s,
         }
         if self._resume_from is not None:
@@ -356,6 +360,10 @@ class RecorderBase:
             if name in self._owners and self._owners[name] != probe.name:
                 raise ValueError(f"{name!r} is already declared by probe {self._owners[name]!r}")
         self._series |= series
+        self._shapes |= {
+            group: {name: spec.shape for name, spec in specs.items()}
+            for group, specs in series.items()
+        }
         self._vectors |= vectors
         self._owners |= dict.fromkeys([*series, *vectors], probe.name)
         return settings
@@ -377,8 +385,12 @@ class RecorderBase:
             self._disable(trainer, probe, step, error)
             return default
         finally:
-            for note_step, message in probe.pop_notes():
-                self._event(trainer, note_step, probe, names.EVENT_WARNING, message)
+            if probe._notes:  # read directly: a call per hook costs more than the hook's check
+                self._record_notes(trainer, probe)
+
+    def _record_notes(self, trainer: pl.Trainer, probe: Probe) -> None:
+        for note_step, message in probe.pop_notes():
+            self._event(trainer, note_step, probe, names.EVENT_WARNING, message)
 
     def _disable(self, trainer: pl.Trainer, probe: Probe, step: int, error: Exception) -> None:
         if isinstance(error, ProbeUnavailable):
@@ -412,27 +424,37 @@ class RecorderBase:
         self, trainer: pl.Trainer, probe: Probe, step: int, hook: Callable[..., Rows], *args: Any
     ) -> None:
         """Record the rows a hook returns; rows unlike the declared series disable the probe."""
-        rows = self._call(
-            trainer, probe, step, lambda: self._checked(probe, hook(*args)), default={}
-        )
-        self._record(trainer, step, rows)
+        try:
+            rows = hook(*args)
+            for group, values in rows.items():
+                self._check(probe, group, values)
+        except Exception as error:
+            self._disable(trainer, probe, step, error)
+            return
+        finally:
+            if probe._notes:
+                self._record_notes(trainer, probe)
+        if rows:
+            self._record(trainer, step, rows)
 
-    def _checked(self, probe: Probe, rows: Rows) -> Rows:
-        for group, values in rows.items():
-            if self._owners.get(group) != probe.name:
-                raise ValueError(f"rows for group {group!r}, which {probe.name!r} did not declare")
-            declared = self._series[group]
-            if values.keys() != declared.keys():
+    def _check(self, probe: Probe, group: str, values: Mapping[str, Any]) -> None:
+        """Refuse a row unlike its group's declaration, in one line saying how it differs.
+
+        Runs at every row (a probe may go wrong at any step); the declared shapes are looked up
+        once per group, so the usual row costs one comparison per series.
+        """
+        shapes = self._shapes.get(group)
+        if shapes is None or self._owners.get(group) != probe.name:
+            raise ValueError(f"rows for group {group!r}, which {probe.name!r} did not declare")
+        if values.keys() != shapes.keys():
+            raise ValueError(
+                f"rows of {group!r} hold {sorted(values)}, but {sorted(shapes)} were declared"
+            )
+        for name, value in values.items():
+            if _shape(value) != shapes[name]:
                 raise ValueError(
-                    f"rows of {group!r} hold {sorted(values)}, but {sorted(declared)} were declared"
+                    f"{group}/{name} has shape {tuple(_shape(value))}, declared {shapes[name]}"
                 )
-            for name, value in values.items():
-                if _shape(value) != declared[name].shape:
-                    raise ValueError(
-                        f"{group}/{name} has shape {tuple(_shape(value))}, "
-                        f"declared {declared[name].shape}"
-                    )
-        return rows
 
     def _write_vectors(self, probe: Probe, vectors: Mapping[str, Any]) -> None:
         for name, value in vectors.items():
@@ -502,10 +524,11 @@ class RecorderBase:
             },
         }
 
-    def _active(self, probes: Sequence[Probe] | None = None) -> list[Probe]:
-        return [
-            p for p in (self.probes if probes is None else probes) if p.name not in self._disabled
-        ]
+    def _active(self, probes: Sequence[Probe] | None = None) -> Sequence[Probe]:
+        probes = self.probes if probes is None else probes
+        if not self._disabled:  # the usual case, several times a step: no list built
+            return probes
+        return [p for p in probes if p.name not in self._disabled]
 
     def _claim_path(self, new_file: bool) -> str | None:
         """Lock the path for this fit (checking first that a new file may go there); what
@@ -552,7 +575,7 @@ class RecorderBase:
                     self._event(trainer, trainer.global_step, probe, names.EVENT_ERROR, message)
         self._started = False
         self._armed = None
-        self._series, self._vectors, self._owners = {}, {}, {}
+        self._series, self._shapes, self._vectors, self._owners = {}, {}, {}, {}
         self._unwritten_events = []  # a fit that ended before its file existed
         if self._writer is not None:
             self._writer.close(state, exception)

@@ -354,3 +354,48 @@ def test_default_choice_skips_losses_and_containers_that_are_never_called():
     probe.setup(None, model, None)
     probe.teardown()
     assert probe.layers == ("net",)
+
+
+class _Branchy(nn.Module):
+    """``a`` is called once or twice a forward, ``b`` only when asked, ``c`` once."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 5), nn.Linear(3, 5), nn.Linear(5, 5)
+
+    def forward(self, x, twice=False, branch=False):
+        h = self.a(x)
+        if twice:
+            h = h + self.a(2 * x)
+        if branch:
+            h = h + self.b(x)
+        return self.c(h)
+
+
+def test_norms_are_averaged_over_calls_and_a_layer_not_called_reads_nan():
+    """Each call's mean norm, averaged over the step's calls; NaN for a layer not called; and
+    the one-op path of single calls of one shape equals each layer's own mean norm."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    probe = HiddenStateNorms(modules=["a", "b", "c"], activations=False)
+    probe.setup(None, model, None)
+
+    def mean_norm(layer, x):
+        return torch.linalg.vector_norm(layer(x), dim=-1).mean()
+
+    x = torch.randn(4, 7, 3)
+    probe.on_step_start(None, model, None, 0)
+    model(x, twice=True)
+    [norms] = probe.on_step_end(None, model, None, None, 0)["hidden_norms"].values()
+    h = model.a(x) + model.a(2 * x)
+    assert norms[0] == (mean_norm(model.a, x) + mean_norm(model.a, 2 * x)) / 2
+    assert torch.isnan(norms[1])
+    assert norms[2] == torch.linalg.vector_norm(model.c(h), dim=-1).mean()
+
+    probe.on_step_start(None, model, None, 1)
+    model(x, branch=True)
+    [norms] = probe.on_step_end(None, model, None, None, 1)["hidden_norms"].values()
+    h = model.a(x) + model.b(x)
+    expected = [mean_norm(model.a, x), mean_norm(model.b, x), mean_norm(model.c, h)]
+    assert torch.equal(norms, torch.stack(expected).detach())
+    probe.teardown()

@@ -362,3 +362,26 @@ def test_a_disabled_probe_stays_disabled_when_the_fit_resumes(tmp_path, quiet_tr
     np.testing.assert_array_equal(run.series("loss").step, np.arange(8))
     np.testing.assert_array_equal(run.series("fails").step, [0, 1])
     assert [(e.step, e.kind) for e in run.events()] == [(2, "error")]
+
+
+class GoesWrong(Probe):
+    """Rows as declared for three steps, then one of another shape."""
+
+    name = "goes_wrong"
+
+    def series(self):
+        return {self.name: {"norm": SeriesSpec((3,))}}
+
+    def on_step_end(self, trainer, pl_module, batch, outputs, step):
+        return {self.name: {"norm": torch.ones(3 if step < 3 else 4)}}
+
+
+def test_a_row_that_goes_wrong_later_disables_the_probe_at_its_step(tmp_path, quiet_trainer):
+    """Declared shapes are looked up once per group, but every row is still checked."""
+    with pytest.warns(UserWarning, match="disabled"):
+        run = fit_boring(tmp_path / "r.h5", quiet_trainer, [TrainingLoss(), GoesWrong()])
+    [event] = run.events()
+    assert (event.step, event.kind) == (3, "error")
+    assert "goes_wrong/norm has shape (4,), declared (3,)" in event.message
+    np.testing.assert_array_equal(run.series("goes_wrong").step, [0, 1, 2])
+    assert len(run.series("loss")) == 4

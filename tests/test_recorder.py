@@ -18,7 +18,7 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.callbacks.parameter_displacement import norm_groups
+from dynamics.callbacks.parameter_displacement import SizeGroups
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.params import ParameterLayout, parameter_vector, vector_hash
 
@@ -245,21 +245,24 @@ def test_a_validation_metric_never_logged_is_nan_with_one_warning_event(tmp_path
 
 
 def test_grouped_norms_equal_each_tensors_own_norm_bit_for_bit():
-    """One strided norm kernel per group of equal-sized tensors (the same parameter of each
-    block) gives every tensor's norm exactly as a norm of that tensor alone: repeated blocks, a
-    size recurring at an irregular spacing, lone sizes, and a flat vector that is itself a view."""
-    numels = [64, 64, 16384, 256, 16384, 64] * 3 + [7, 64, 5, 64, 64, 300]
+    """One norm kernel per size of tensor, over the contiguous block that size's tensors form in
+    the grouped order, gives every tensor's norm exactly as a norm of that tensor alone, in the
+    layout's order: repeated blocks, a size recurring at an irregular spacing, lone sizes, an
+    empty tensor; and the grouped order round-trips to the layout's."""
+    shapes = [(64,), (64,), (256, 64), (256,), (64, 256), (64,)] * 3
+    shapes += [(7,), (64,), (5, 1), (0,), (64,), (64,), (3, 100)]
+    layout = ParameterLayout(tuple(f"p{i}" for i in range(len(shapes))), tuple(shapes))
+    groups = SizeGroups(layout)
+    assert len(groups.blocks) == len(set(layout.numels))
     torch.manual_seed(0)
-    storage = torch.randn(sum(numels) + 3) * torch.rand(sum(numels) + 3) * 10
-    flat = storage[3:]
-    groups = norm_groups(numels, flat)
-    assert len(groups) < len(numels)
-    covered = sorted(i for tensors, _ in groups for i in range(len(numels))[tensors])
-    assert covered == list(range(len(numels)))
-    per_tensor = flat.new_empty(len(numels))
-    for tensors, view in groups:
-        torch.linalg.vector_norm(view, dim=1, out=per_tensor[tensors])
-    assert torch.equal(per_tensor, torch.stack([d.norm() for d in flat.split(numels)]))
+    vector = torch.randn(layout.size) * torch.rand(layout.size) * 10
+    grouped = groups.grouped(vector)
+    assert torch.equal(groups.in_layout_order(grouped), vector)
+    for view, piece in zip(groups.views(grouped), layout.split(vector)):
+        assert torch.equal(view, piece)
+    assert torch.equal(
+        groups.norms(grouped), torch.stack([piece.norm() for piece in layout.split(vector)])
+    )
 
 
 def test_lightning_skips_the_per_step_hooks_the_recorder_does_not_use(tmp_path):
@@ -277,16 +280,18 @@ def test_lightning_skips_the_per_step_hooks_the_recorder_does_not_use(tmp_path):
 
 
 def test_buffered_rows_equal_direct_evaluation_at_every_step(tmp_path, quiet_trainer):
-    """Displacement from per-tensor foreach ops on preallocated buffers, and hidden norms, equal
-    what a direct evaluation on the stored snapshots gives (to float32 rounding, 1e-6)."""
+    """Displacement from per-tensor foreach ops on preallocated buffers (norms per size of
+    tensor, in a size-grouped order), and hidden norms, equal what a direct float64 evaluation
+    on the stored snapshots gives (to float32 rounding, 1e-6)."""
     module, data = tiny_teacher_student()
     path = tmp_path / "direct.h5"
     probes = [HiddenStateNorms(), ParameterDisplacement(snapshot_every_n_steps=1)]
     quiet_trainer(max_steps=5, callbacks=[DynamicsRecorder(path, probes)]).fit(module, data)
     run = open_run(path)
-    theta0 = torch.from_numpy(run.vector("theta0"))
-    snapshots = torch.from_numpy(run.series("snapshots")["theta"])
-    thetas = torch.cat([snapshots, torch.from_numpy(run.vector("theta_final"))[None]])
+    theta0 = torch.from_numpy(run.vector("theta0")).double()
+    snapshots = torch.from_numpy(run.series("snapshots")["theta"]).double()
+    final = torch.from_numpy(run.vector("theta_final")).double()
+    thetas = torch.cat([snapshots, final[None]])
     displacement = run.series("displacement")
     numels = run.layout.numels
     for step, theta in enumerate(snapshots):
@@ -308,3 +313,31 @@ def test_buffered_rows_equal_direct_evaluation_at_every_step(tmp_path, quiet_tra
                 h = block(h)
                 direct.append(h.norm(dim=-1).mean().item())
         np.testing.assert_allclose(norms[step], direct, rtol=1e-6)
+
+
+def test_displacement_holds_only_theta0_and_theta_step_between_steps(tmp_path, quiet_trainer):
+    """The difference θ_step − θ0 is a temporary of each step: between steps the probe holds two
+    parameter vectors (θ0 and θ_step's buffer), not three."""
+    module, data = tiny_teacher_student()
+    probe = ParameterDisplacement(snapshot_budget_mb=0)
+    recorder = DynamicsRecorder(tmp_path / "held.h5", [probe])
+    quiet_trainer(max_steps=3, callbacks=[recorder]).fit(module, data)
+    own = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in _tensors(vars(probe))
+        if t.untyped_storage().data_ptr() not in own
+    }
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert sum(storages.values()) <= 2 * param_bytes + 1024
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)

@@ -162,3 +162,25 @@ def test_create_refuses_a_directory_and_a_series_named_step(tmp_path):
     with pytest.raises(ValueError, match="series named 'step'"):
         RunWriter.create(tmp_path / "run.h5", {"loss": {"step": SeriesSpec()}}, {}, {})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_group_is_written_once_its_rows_fill_block_bytes(tmp_path):
+    """The rows that fill ``block_bytes`` are counted from the group's first row (a group's rows
+    keep their shapes): rows of 40 bytes against 100 are written three at a time."""
+    writer = RunWriter.create(
+        tmp_path / "r.h5",
+        {"wide": {"x": SeriesSpec((10,))}},
+        {},
+        {},
+        block_rows=256,
+        block_bytes=100,
+        flush_interval_s=1e9,
+    )
+    dataset = writer._file["series"]["wide"]["x"]
+    written = []
+    for step in range(7):
+        writer.append("wide", step, {"x": np.full(10, step, dtype=np.float32)})
+        written.append(dataset.shape[0])
+    assert written == [0, 0, 3, 3, 3, 6, 6]
+    writer.close()
+    np.testing.assert_array_equal(open_run(tmp_path / "r.h5").series("wide")["x"][:, 0], range(7))

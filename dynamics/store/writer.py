@@ -73,7 +73,8 @@ class RunWriter:
         lock: this writer's lock on ``path``, released when it closes.
         block_rows: buffered rows of a group that trigger writing that group.
         block_bytes: buffered bytes of a group that trigger writing it, so large rows such as
-            parameter snapshots never pile up in memory.
+            parameter snapshots never pile up in memory (counted from the group's first row:
+            a group's rows keep their shapes).
         flush_interval_s: the time after which the next :meth:`append` flushes everything
             (the recorder also asks at every batch boundary and phase change, see
             :meth:`interval_elapsed`).
@@ -101,7 +102,7 @@ class RunWriter:
         self.block_bytes = block_bytes
         self.flush_interval_s = flush_interval_s
         self._pending: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
-        self._pending_bytes: dict[str, int] = {}
+        self._block_limits: dict[str, int] = {}  # rows of a group that make a block
         # Rows whose values are written but whose steps wait for those values to be on disk:
         # (step dataset, first row, steps).
         self._unindexed: list[tuple[h5py.Dataset, int, list[int]]] = []
@@ -284,15 +285,21 @@ class RunWriter:
         """Buffer one row of ``group`` (every series of the group, as tensors or arrays)."""
         if self._stopped:
             return
-        rows = self._pending.setdefault(group, [])
+        rows = self._pending.get(group)
+        if rows is None:
+            rows = self._pending[group] = []
         rows.append((step, values))
-        size = self._pending_bytes.get(group, 0) + sum(
-            getattr(v, "nbytes", 8) for v in values.values()
-        )
-        self._pending_bytes[group] = size
-        if self.interval_elapsed():
+        limit = self._block_limits.get(group)
+        if limit is None:
+            # A group's rows keep their shapes and dtypes, so the first row's bytes say how many
+            # rows fill block_bytes; counting every row's bytes would cost more than the append.
+            row_bytes = sum(getattr(v, "nbytes", 8) for v in values.values())
+            limit = self._block_limits[group] = max(
+                1, min(self.block_rows, -(-self.block_bytes // max(row_bytes, 1)))
+            )
+        if time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
-        elif len(rows) >= self.block_rows or size >= self.block_bytes:
+        elif len(rows) >= limit:
             with self._writing():
                 self._write(group)
 
@@ -365,7 +372,6 @@ class RunWriter:
 
     def _write(self, group: str) -> None:
         rows = self._pending.pop(group, [])
-        self._pending_bytes.pop(group, None)
         if rows:
             steps, datasets = self._groups[group]
             start = self._rows[group]
@@ -687,10 +693,13 @@ def _rows_through(group: h5py.Group, through_step: int) -> int:
 
 
 def _stack(values: list[Any]) -> np.ndarray:
+    if len(values) == 1:  # a lone large row (a snapshot): a view of it, no copy on the host
+        return _to_numpy(values[0])[None]
     torch = _torch()
     if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
-        # One device-to-host copy per block rather than per row.
-        return _to_numpy(torch.stack([v.detach() for v in values]))
+        # One device-to-host copy per block rather than per row; _to_numpy detaches the block
+        # (a detach per row would cost more than the stack).
+        return _to_numpy(torch.stack(values))
     return np.stack([_to_numpy(v) for v in values])
 
 
