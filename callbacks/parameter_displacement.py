@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
-from dynamics.params import BufferLayout, ParameterLayout, parameter_vector
+from dynamics.params import BufferLayout, ParameterLayout, flatten, parameter_vector
 from dynamics.store import names
 from dynamics.store.views import standard_view
 
@@ -211,7 +211,7 @@ class ParameterDisplacement(Probe):
 
     def final_vectors(self, trainer, pl_module) -> dict[str, np.ndarray]:
         return {
-            names.THETA_FINAL: self._flat_parameters().cpu().numpy(),
+            names.THETA_FINAL: flatten(self._params).cpu().numpy(),
             names.THETA_FINAL_STEP: np.array([trainer.global_step], dtype=np.float64),
             **self._buffer_arrays(names.THETA_FINAL_BUFFERS, self.buffer_layout.vectors(pl_module)),
         }
@@ -240,9 +240,6 @@ class ParameterDisplacement(Probe):
         if self._theta0 is None or self._groups is None:
             return self._theta0
         return self._groups.in_layout_order(self._theta0)
-
-    def _flat_parameters(self) -> torch.Tensor:
-        return torch.cat([p.reshape(-1) for p in self._params])
 
     def _snapshot_due(self, step: int) -> bool:
         return bool(self.snapshot_period) and step % self.snapshot_period == 0

@@ -2,8 +2,9 @@
 
 Each test trains a small version of a model users train — a CNN with BatchNorm, dropout, a
 DataModule of dict batches and an LR scheduler; a nanoGPT-style character transformer using
-``F.scaled_dot_product_attention``; manual optimization; gradient accumulation; bf16-mixed on CPU;
-a model above 8.4M parameters; both Lightning namespaces and LightningCLI — and asserts that the fit
+``F.scaled_dot_product_attention``; manual optimization; gradient accumulation; bf16-mixed and
+bf16-true on CPU; a model above 8.4M parameters; both Lightning namespaces and LightningCLI — and
+asserts that the fit
 completes, that numbers are right where a reference exists, and that a probe which cannot measure
 steps aside with an event in the run file saying why, rather than ending the fit or recording a
 wrong number.
@@ -699,6 +700,31 @@ def test_bf16_mixed_on_cpu(tmp_path):
     np.testing.assert_allclose(
         run.series("hessian")["eigenvalues"][0], reference.eigenvalues.numpy(), rtol=1e-4
     )
+
+
+def test_bf16_true_on_cpu(tmp_path):
+    """bf16-true (weights and inputs in bfloat16) with every probe: no probe steps aside, θ0,
+    θT and the displacement are the bfloat16 parameters' exact float32 values, and training is
+    the same with and without the recorder."""
+    torch.manual_seed(0)
+    module = RegressionMLP(batches=4)
+    bare = copy.deepcopy(module)
+    make_trainer(max_steps=4, precision="bf16-true").fit(bare)
+    _, run = fit_recorded(
+        module, tmp_path / "bf16.h5", all_probes(), max_steps=4, precision="bf16-true"
+    )
+    assert not [e for e in run.events() if e.kind in ("error", "disabled")], run.events()
+    assert_all_probes_measured(run, range(4))
+    theta_final = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    assert theta_final.dtype == torch.bfloat16
+    for p, q in zip(module.parameters(), bare.parameters()):
+        assert torch.equal(p, q)
+    np.testing.assert_array_equal(run.vector("theta_final"), theta_final.float().numpy())
+    theta0 = run.vector("theta0").astype(np.float64)
+    last = run.stored_states()[-2]  # the last snapshot before θT: the last row's θ
+    assert last.step == 3 and last.source == "snapshot"
+    expected = np.linalg.norm(last.theta.astype(np.float64) - theta0)
+    assert run.series("displacement")["total"][-1] == pytest.approx(expected, rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
