@@ -9,12 +9,13 @@ recorded/bare of each pair as "median (min–max) over N pairs", and the recorde
 memory as a multiple of the model's parameter bytes (what it holds at batch ends, between steps:
 temporaries inside a probe's hook are not seen). ``--unit-health`` also times
 HiddenStateNorms(unit_health=True) every step; ``--hessian`` the curvature probe (top-5 every 50
-steps). Wall times on a shared machine are noisy: quote the median of many pairs with the
-machine's load (``uptime``) beside it; the process's CPU-time ratio, printed beside, is far
-less sensitive to other processes.
+steps); ``--each-probe`` the recorder without probes and each of the three probes alone.
+Wall times on a shared machine are noisy: quote the median of many pairs with the machine's
+load (``uptime``) beside it; the process's CPU-time ratio, printed beside, is far less
+sensitive to other processes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 7]
-        [--workload teacher-student|char-gpt|both] [--unit-health] [--hessian]
+        [--workload teacher-student|char-gpt|both] [--unit-health] [--hessian] [--each-probe]
 
 The README's recording figures come from exactly
 
@@ -143,6 +144,9 @@ def main() -> None:
     )
     parser.add_argument("--hessian", action="store_true", help="also time HessianSpectrum")
     parser.add_argument(
+        "--each-probe", action="store_true", help="also time the recorder alone and each probe"
+    )
+    parser.add_argument(
         "--workload", choices=("teacher-student", "char-gpt", "both"), default="both"
     )
     args = parser.parse_args()
@@ -178,6 +182,13 @@ def measure(workload: tuple, steps: int, reps: int, options: argparse.Namespace)
             TrainingLoss(10),
             HiddenStateNorms(every_n_steps=10),
             ParameterDisplacement(10, snapshot_budget_mb=32),
+        ]
+    if options.each_probe:  # where the recorder's overhead goes
+        variants["recorder with no probe"] = list
+        variants["TrainingLoss alone"] = lambda: [TrainingLoss()]
+        variants["HiddenStateNorms alone"] = lambda: [HiddenStateNorms()]
+        variants["ParameterDisplacement alone"] = lambda: [
+            ParameterDisplacement(snapshot_budget_mb=32)
         ]
     if options.hessian:
         from dynamics.callbacks import HessianSpectrum
