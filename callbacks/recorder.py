@@ -385,12 +385,8 @@ class RecorderBase:
             self._disable(trainer, probe, step, error)
             return default
         finally:
-            if probe._notes:  # read directly: a call per hook costs more than the hook's check
-                self._record_notes(trainer, probe)
-
-    def _record_notes(self, trainer: pl.Trainer, probe: Probe) -> None:
-        for note_step, message in probe.pop_notes():
-            self._event(trainer, note_step, probe, names.EVENT_WARNING, message)
+            for note_step, message in probe.pop_notes():
+                self._event(trainer, note_step, probe, names.EVENT_WARNING, message)
 
     def _disable(self, trainer: pl.Trainer, probe: Probe, step: int, error: Exception) -> None:
         if isinstance(error, ProbeUnavailable):
@@ -424,18 +420,15 @@ class RecorderBase:
         self, trainer: pl.Trainer, probe: Probe, step: int, hook: Callable[..., Rows], *args: Any
     ) -> None:
         """Record the rows a hook returns; rows unlike the declared series disable the probe."""
-        try:
-            rows = hook(*args)
-            for group, values in rows.items():
-                self._check(probe, group, values)
-        except Exception as error:
-            self._disable(trainer, probe, step, error)
-            return
-        finally:
-            if probe._notes:
-                self._record_notes(trainer, probe)
+        rows = self._call(trainer, probe, step, self._checked, probe, hook, *args, default={})
         if rows:
             self._record(trainer, step, rows)
+
+    def _checked(self, probe: Probe, hook: Callable[..., Rows], *args: Any) -> Rows:
+        rows = hook(*args)
+        for group, values in rows.items():
+            self._check(probe, group, values)
+        return rows
 
     def _check(self, probe: Probe, group: str, values: Mapping[str, Any]) -> None:
         """Refuse a row unlike its group's declaration, in one line saying how it differs.
