@@ -126,7 +126,8 @@ def load_batch(path: str | os.PathLike) -> HeldOutBatch:
 
     Raises:
         DynamicsError: no such file, not a file ``torch.save`` wrote, one holding other
-            objects (pickled classes, named tuples, sizes, devices) or no tensor at all.
+            objects (pickled classes, named tuples, sizes, devices), no tensor at all or an
+            empty one.
     """
     import torch
 
@@ -154,6 +155,12 @@ def load_batch(path: str | os.PathLike) -> HeldOutBatch:
     tensors = _batch_tensors(batch, where)
     if not tensors:
         raise DynamicsError(f"{where}: holds no tensor, so it is no batch")
+    if any(t.numel() == 0 for t in tensors):
+        # A mean over no samples is NaN: every line would be NaN, not a measurement.
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise DynamicsError(
+            f"{where}: holds an empty tensor (shapes {shapes}); a loss over no samples is NaN"
+        )
     return HeldOutBatch(batch, f"held-out batch {path.name} ({_size(tensors)})")
 
 
