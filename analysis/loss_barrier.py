@@ -105,10 +105,12 @@ class HeldOutBatch:
     Attributes:
         batch: what the loss rule is handed: a tensor, or dicts, lists and tuples of them.
         name: what the page calls it, with its size, e.g. ``held-out batch val.pt (64 samples)``.
+        path: the file it was loaded from (an input the page must not overwrite).
     """
 
     batch: Any
     name: str
+    path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ def load_batch(path: str | os.PathLike) -> HeldOutBatch:
         raise DynamicsError(
             f"{where}: holds an empty tensor (shapes {shapes}); a loss over no samples is NaN"
         )
-    return HeldOutBatch(batch, f"held-out batch {path.name} ({_size(tensors)})")
+    return HeldOutBatch(batch, f"held-out batch {path.name} ({_size(tensors)})", path)
 
 
 def line_losses(surface, start: np.ndarray, end: np.ndarray, alphas: np.ndarray) -> np.ndarray:

@@ -258,6 +258,20 @@ def test_cli_refuses_a_held_out_batch_the_dict_model_cannot_read(tmp_path, capsy
     assert out.read_text() == "the user's page"
 
 
+def test_cli_never_writes_the_page_over_the_held_out_batch(tmp_path, capsys):
+    """``-o`` naming the batch file, even with --overwrite: one line, exit 2, the batch kept
+    (it was replaced by the page)."""
+    runs = [str(run.path) for run in saddle_runs(tmp_path)]
+    held = held_out_file(tmp_path)
+    content = held.read_bytes()
+    model = f"{Path(__file__).resolve()}:SaddleQuadratic"
+    argv = ["compare", *runs, "--model", model, "--barrier-batch", str(held)]
+    assert main([*argv, "-o", str(held), "--overwrite"]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr == f"dynamics: error: {held} is one of the input files; choose another output\n"
+    assert held.read_bytes() == content
+
+
 def test_compare_page_shows_the_barriers_of_rebuildable_runs(demo, dynamics):
     folder, _ = demo
     runs = folder / "runs"
