@@ -272,6 +272,33 @@ def test_cli_never_writes_the_page_over_the_held_out_batch(tmp_path, capsys):
     assert held.read_bytes() == content
 
 
+@pytest.mark.parametrize("held_out", [False, True])
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("missing.py:SaddleQuadratic", "--model missing.py:SaddleQuadratic: no such file"),
+        ("{this}:SaddleQuadratik", ":SaddleQuadratik: {this} has no SaddleQuadratik"),
+    ],
+)
+def test_cli_refuses_a_model_it_cannot_find(
+    tmp_path, capsys, monkeypatch, model, message, held_out
+):
+    """A --model naming no file or no class is the user's input: one line, exit 2, the page
+    left as it was (it was a remark per run on a page written with exit 0)."""
+    this = str(Path(__file__).resolve())
+    runs = [str(run.path) for run in saddle_runs(tmp_path)]
+    out = tmp_path / "page.html"
+    out.write_text("the user's page")
+    monkeypatch.chdir(tmp_path)
+    argv = ["compare", *runs, "-o", str(out), "--overwrite", "--model", model.format(this=this)]
+    if held_out:
+        argv += ["--barrier-batch", str(held_out_file(tmp_path))]
+    assert main(argv) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and message.format(this=this) in stderr, stderr
+    assert out.read_text() == "the user's page"
+
+
 def test_compare_page_shows_the_barriers_of_rebuildable_runs(demo, dynamics):
     folder, _ = demo
     runs = folder / "runs"
