@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
-from dynamics.callbacks.probe_loss import ProbeLoss, upcast
+from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, upcast
 from dynamics.curvature import (
     Eigenpairs,
     HessianOperator,
@@ -319,9 +319,11 @@ class HessianSpectrum(Probe):
         params = dict(pl_module.named_parameters())
         leaves = {n: params[n].detach().to(self.dtype).requires_grad_() for n in self._names}
         tensors = dict(leaves)
-        if any(params[n].dtype != self.dtype for n in self._names):
+        if any(p.dtype != self.dtype for p in params.values()):
             # Lower-precision weights (bf16/fp16 "true" precision) are upcast for the pass; the
-            # buffers and the batch follow so that every op runs in float32.
+            # frozen parameters, the buffers and the batch follow so that every op runs in
+            # float32.
+            tensors |= frozen_parameters(pl_module, self.dtype, self._names)
             tensors |= {n: upcast(b, self.dtype) for n, b in pl_module.named_buffers()}
             batch = apply_to_collection(batch, torch.Tensor, upcast, self.dtype)
         averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

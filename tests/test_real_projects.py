@@ -727,6 +727,76 @@ def test_bf16_true_on_cpu(tmp_path):
     assert run.series("displacement")["total"][-1] == pytest.approx(expected, rel=1e-6)
 
 
+class FrozenTiedLM(pl.LightningModule):
+    """Bag-of-tokens classifier: a frozen layer (its weight ``requires_grad=False``), the output
+    head tied to the embedding, and tensors of the same sizes in irregular order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 6)
+        self.a = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.weight.requires_grad_(False)
+        self.gain = nn.Parameter(torch.ones(6))
+        self.head = nn.Linear(6, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(self.emb(x).mean(1)))
+        return self.head(torch.tanh(self.frozen(h)) * self.gain)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 8, (32, 5), generator=generator)
+        return DataLoader(TensorDataset(x, torch.randint(0, 8, (32,), generator=generator)), 8)
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-true"])
+def test_frozen_and_tied_parameters_in_the_extra_passes(tmp_path, precision):
+    """The probes that substitute the trainable parameters in float32/float64 (HessianSpectrum,
+    LossChangeSplit) cast the frozen ones along: before, LossChangeSplit failed on every model
+    with a frozen parameter (float64 met float32) and HessianSpectrum on one under bf16-true
+    (float32 met bfloat16), each disabled with an error event. The eigenvalues are those of the
+    dense Hessian of the loss on the probe batch at each recorded θ, with the head tied."""
+    from torch.func import functional_call
+
+    from dynamics.callbacks import LossChangeSplit
+
+    torch.manual_seed(0)
+    module = FrozenTiedLM()
+    probes = [
+        TrainingLoss(),
+        ParameterDisplacement(snapshot_every_n_steps=1),
+        HessianSpectrum(k=2, every_n_steps=1, tol=1e-6),
+        LossChangeSplit(every_n_steps=1),
+    ]
+    _, run = fit_recorded(module, tmp_path / "run.h5", probes, max_steps=3, precision=precision)
+    assert not [e for e in run.events() if e.kind in ("error", "disabled")], run.events()
+    assert np.isfinite(run.series("loss_change")["terms"]).all()
+    x, y = next(iter(module.train_dataloader()))  # the probe batch: the fit's first batch
+    module = module.double()
+    layout = run.layout
+    assert "head.weight" not in layout.names and "frozen.weight" not in layout.names
+
+    def loss(theta: torch.Tensor) -> torch.Tensor:
+        tensors = dict(zip(layout.names, layout.split(theta)))
+        return F.cross_entropy(functional_call(module, tensors, (x,)), y)
+
+    hessian, snapshots = run.series("hessian"), run.series("snapshots")
+    np.testing.assert_array_equal(hessian.step, snapshots.step)
+    for eigenvalues, theta in zip(hessian["eigenvalues"], snapshots["theta"]):
+        dense = torch.autograd.functional.hessian(loss, torch.tensor(theta, dtype=torch.float64))
+        top = torch.linalg.eigvalsh(dense).flip(0)[:2].numpy()
+        np.testing.assert_allclose(eigenvalues, top, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. Both Lightning namespaces, Trainer and LightningCLI
 
