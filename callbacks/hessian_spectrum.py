@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, expected_steps
 from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, upcast
 from dynamics.curvature import (
     Eigenpairs,
@@ -209,9 +209,7 @@ class HessianSpectrum(Probe):
         dtypes = {p.dtype for p in pl_module.parameters() if p.requires_grad}
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
         self._size = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        self.vector_period, reason = self._vector_plan(
-            getattr(trainer, "estimated_stepping_batches", -1)
-        )
+        self.vector_period, reason = self._vector_plan(expected_steps(trainer, pl_module))
         if reason:
             self.note(getattr(trainer, "global_step", 0), f"{reason}: no eigenvectors stored")
 

@@ -580,6 +580,60 @@ def test_manual_optimization_without_dynamics_loss_disables_curvature_probes(tmp
 # 4. Gradient accumulation
 
 
+class TwoOptimizerGAN(pl.LightningModule):
+    """A GAN-like toy under manual optimization: the discriminator and the generator each take
+    one optimizer step a batch, so ``global_step`` advances by two a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.discriminator = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        generator, discriminator = self.optimizers()
+        fake = self.generator(torch.randn(len(real), 3))
+        critic = F.softplus(-self.discriminator(real)).mean()
+        critic = critic + F.softplus(self.discriminator(fake.detach())).mean()
+        discriminator.zero_grad()
+        self.manual_backward(critic)
+        discriminator.step()
+        loss = F.softplus(-self.discriminator(fake)).mean()
+        generator.zero_grad()
+        self.manual_backward(loss)
+        generator.step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+            torch.optim.SGD(self.discriminator.parameters(), lr=0.1),
+        ]
+
+    def train_dataloader(self):
+        real = torch.randn(48, 4, generator=torch.Generator().manual_seed(0)) + 2
+        return DataLoader(TensorDataset(real), batch_size=8)
+
+
+def test_snapshot_budget_under_manual_optimization_with_two_optimizers(tmp_path):
+    """The snapshot plan counts steps as global_step does (two a batch here): the budget of 4
+    snapshots holds, and the plan's expected count is what was stored. It planned on batches
+    before: period 2 over 12 global steps stored 6 snapshots where 4 fit, 3 expected."""
+    torch.manual_seed(0)
+    bytes_each = 4 * sum(p.numel() for p in TwoOptimizerGAN().parameters())
+    probe = ParameterDisplacement(snapshot_budget_mb=4 * bytes_each / 2**20)
+    trainer, run = fit_recorded(
+        TwoOptimizerGAN(), tmp_path / "gan.h5", [TrainingLoss(), probe], max_epochs=1
+    )
+    assert trainer.global_step == 12
+    stored = run.series("snapshots").step
+    assert len(stored) <= 4
+    (settings,) = [p["settings"] for p in run.attrs["probes"] if p["name"] == "displacement"]
+    assert settings["snapshots"]["expected"] == len(stored)
+    np.testing.assert_array_equal(run.series("loss").step, range(0, 12, 2))
+
+
 def test_gradient_accumulation_records_mean_unscaled_loss(tmp_path):
     """With ``accumulate_grad_batches=4`` the recorded ``loss/train`` of a step is the mean of
     its four micro-batches' unscaled losses (each recomputed from inside training_step at the same
