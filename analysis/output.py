@@ -17,7 +17,8 @@ def check_output(
 
     Raises:
         DynamicsError: its folder is missing or not writable, it is a folder, it exists and
-            ``overwrite`` is false, or it is one of ``inputs`` (a run file or batch file would be destroyed).
+            ``overwrite`` is false, or it is one of ``inputs`` (a run file or a batch file would
+            be destroyed).
     """
     out = Path(out_path)
     folder = out.parent

@@ -40,10 +40,11 @@ class ParameterDisplacement(Probe):
     budget holds some number of snapshots, and the period is the run's estimated optimizer steps
     (as ``global_step`` counts them: under manual optimization every optimizer's step, assumed
     once a batch, see :func:`~dynamics.callbacks.probe.expected_steps`) over that number, so the
-    whole trajectory is covered and later analysis can project it onto any plane. θ0 and the final θT are stored as vectors whatever the budget. When the budget
-    holds fewer than two snapshots (above 8.4M float32 parameters for 64 MiB), or the run's
-    length is unknown, no snapshots are kept and a warning event says why and what to change:
-    the recorder works on a model of any size. The plan (period, expected count, dtype, bytes)
+    whole trajectory is covered and later analysis can project it onto any plane. θ0 and the
+    final θT are stored as vectors whatever the budget. When the budget holds fewer than two
+    snapshots (above 8.4M float32 parameters for 64 MiB), or the run's length is unknown, no
+    snapshots are kept and a warning event says why and what to change: the recorder works on a
+    model of any size. The plan (period, expected count, dtype, bytes)
     is stored in the run file with the probe's settings.
 
     ``snapshot_dtype="float16"`` or ``"bfloat16"`` halves each snapshot, at a coarser precision
