@@ -123,7 +123,8 @@ def write_comparison(
     run_paths = run_files(run_paths)  # a directory gives its run files
     if len(run_paths) < 2:
         raise DynamicsError("compare needs at least two run files")
-    out = check_output(out_path, overwrite, run_paths)
+    inputs = [*run_paths, *([barrier_batch.path] if barrier_batch and barrier_batch.path else [])]
+    out = check_output(out_path, overwrite, inputs)
     runs = [open_run(path) for path in run_paths]
     for run in runs:
         if run.train_loss() is None and run.heldout_loss() is None:

@@ -105,10 +105,12 @@ class HeldOutBatch:
     Attributes:
         batch: what the loss rule is handed: a tensor, or dicts, lists and tuples of them.
         name: what the page calls it, with its size, e.g. ``held-out batch val.pt (64 samples)``.
+        path: the file it was loaded from (an input the page must not overwrite).
     """
 
     batch: Any
     name: str
+    path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,8 @@ def load_batch(path: str | os.PathLike) -> HeldOutBatch:
 
     Raises:
         DynamicsError: no such file, not a file ``torch.save`` wrote, one holding other
-            objects (pickled classes, named tuples, sizes, devices) or no tensor at all.
+            objects (pickled classes, named tuples, sizes, devices), no tensor at all or an
+            empty one.
     """
     import torch
 
@@ -154,7 +157,13 @@ def load_batch(path: str | os.PathLike) -> HeldOutBatch:
     tensors = _batch_tensors(batch, where)
     if not tensors:
         raise DynamicsError(f"{where}: holds no tensor, so it is no batch")
-    return HeldOutBatch(batch, f"held-out batch {path.name} ({_size(tensors)})")
+    if any(t.numel() == 0 for t in tensors):
+        # A mean over no samples is NaN: every line would be NaN, not a measurement.
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise DynamicsError(
+            f"{where}: holds an empty tensor (shapes {shapes}); a loss over no samples is NaN"
+        )
+    return HeldOutBatch(batch, f"held-out batch {path.name} ({_size(tensors)})", path)
 
 
 def line_losses(surface, start: np.ndarray, end: np.ndarray, alphas: np.ndarray) -> np.ndarray:

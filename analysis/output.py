@@ -17,7 +17,8 @@ def check_output(
 
     Raises:
         DynamicsError: its folder is missing or not writable, it is a folder, it exists and
-            ``overwrite`` is false, or it is one of ``inputs`` (a run file would be destroyed).
+            ``overwrite`` is false, or it is one of ``inputs`` (a run file or a batch file would
+            be destroyed).
     """
     out = Path(out_path)
     folder = out.parent
@@ -27,7 +28,7 @@ def check_output(
         raise DynamicsError(f"{out} is a folder, not a file")
     if out.exists():
         if any(Path(p).exists() and out.samefile(p) for p in inputs):
-            raise DynamicsError(f"{out} is one of the input run files; choose another output")
+            raise DynamicsError(f"{out} is one of the input files; choose another output")
         if not overwrite:
             raise DynamicsError(f"{out} exists; pass --overwrite to replace it")
     if not os.access(folder, os.W_OK | os.X_OK):

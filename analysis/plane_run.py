@@ -31,7 +31,7 @@ from dynamics.analysis.plane_views import (
     stored_views,
     views_file,
 )
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, one_line
 from dynamics.landscape import LossSurface
 from dynamics.loss_rule import LossUnavailable, loss_source
 from dynamics.nearest_buffers import NearestBuffers
@@ -230,10 +230,10 @@ def rebuilt_surface(
     try:  # once at θ0, so a batch the model cannot take is one line, not a worker's
         if theta0 is not None:
             surface.loss(theta0)
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    # KeyError and AttributeError: a dict or object batch without what the step reads.
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as error:
         raise BatchRefused(
-            f"{run.path.name}: the rebuilt model cannot take {batch_name}: {reason}"
+            f"{run.path.name}: the rebuilt model cannot take {batch_name}: {one_line(error)}"
         ) from None
     return surface
 

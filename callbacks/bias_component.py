@@ -22,7 +22,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dynamics.callbacks.hidden_state_norms import kind_dim
-from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec, require_unsharded
+from dynamics.callbacks.probe import (
+    Probe,
+    ProbeUnavailable,
+    Rows,
+    SeriesSpec,
+    expected_steps,
+    require_unsharded,
+)
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_rule import module_loss
@@ -463,7 +470,7 @@ class BiasComponent(Probe):
         self.examples = min(self.examples, shape[0])
         row_bytes = 4 * math.prod(self._image_row_shape())
         capacity = min(self.image_rows, int(self.image_budget_mb * 2**20 // row_bytes))
-        expected = trainer.estimated_stepping_batches
+        expected = expected_steps(trainer, trainer.lightning_module)
         if capacity < 2 or not 0 < expected < math.inf:
             why = (
                 "the run's length is unknown"

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
-from dynamics.callbacks.probe_loss import ProbeLoss, upcast
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, expected_steps
+from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, upcast
 from dynamics.curvature import (
     Eigenpairs,
     HessianOperator,
@@ -209,9 +209,7 @@ class HessianSpectrum(Probe):
         dtypes = {p.dtype for p in pl_module.parameters() if p.requires_grad}
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
         self._size = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        self.vector_period, reason = self._vector_plan(
-            getattr(trainer, "estimated_stepping_batches", -1)
-        )
+        self.vector_period, reason = self._vector_plan(expected_steps(trainer, pl_module))
         if reason:
             self.note(getattr(trainer, "global_step", 0), f"{reason}: no eigenvectors stored")
 
@@ -319,9 +317,11 @@ class HessianSpectrum(Probe):
         params = dict(pl_module.named_parameters())
         leaves = {n: params[n].detach().to(self.dtype).requires_grad_() for n in self._names}
         tensors = dict(leaves)
-        if any(params[n].dtype != self.dtype for n in self._names):
+        if any(p.dtype != self.dtype for p in params.values()):
             # Lower-precision weights (bf16/fp16 "true" precision) are upcast for the pass; the
-            # buffers and the batch follow so that every op runs in float32.
+            # frozen parameters, the buffers and the batch follow so that every op runs in
+            # float32.
+            tensors |= frozen_parameters(pl_module, self.dtype, self._names)
             tensors |= {n: upcast(b, self.dtype) for n, b in pl_module.named_buffers()}
             batch = apply_to_collection(batch, torch.Tensor, upcast, self.dtype)
         averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

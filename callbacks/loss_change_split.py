@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
-from dynamics.callbacks.probe_loss import ProbeLoss, upcast
+from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, upcast
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_change import LossChange, split_loss_change
 from dynamics.loss_rule import loss_at
@@ -237,9 +237,10 @@ class LossChangeSplit(Probe):
         """The split of L(end) − L(start) on the probe batch, every evaluation in float64 with
         ``buffers`` standing for the module's (and the module left as it was)."""
         dtype = torch.float64
-        fixed = {n: upcast(b, dtype) for n, b in buffers.items()}
-        batch = apply_to_collection(self._loss.batch, torch.Tensor, upcast, dtype)
         names_ = self.grouping.parameters
+        fixed = {n: upcast(b, dtype) for n, b in buffers.items()}
+        fixed |= frozen_parameters(pl_module, dtype, names_)
+        batch = apply_to_collection(self._loss.batch, torch.Tensor, upcast, dtype)
         device = pl_module.device
         rng_devices = [device.index or 0] if device.type == "cuda" else []
 

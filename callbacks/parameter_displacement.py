@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
+from dynamics.callbacks.probe import (
+    Probe,
+    Rows,
+    SeriesSpec,
+    expected_steps,
+    require_unsharded,
+)
 from dynamics.params import BufferLayout, ParameterLayout, flatten, parameter_vector
 from dynamics.store import names
 from dynamics.store.views import standard_view
@@ -32,11 +38,13 @@ class ParameterDisplacement(Probe):
 
     Snapshots of θt are kept within ``snapshot_budget_mb``, thinned evenly over the run: the
     budget holds some number of snapshots, and the period is the run's estimated optimizer steps
-    over that number, so the whole trajectory is covered and later analysis can project it onto
-    any plane. θ0 and the final θT are stored as vectors whatever the budget. When the budget
-    holds fewer than two snapshots (above 8.4M float32 parameters for 64 MiB), or the run's
-    length is unknown, no snapshots are kept and a warning event says why and what to change:
-    the recorder works on a model of any size. The plan (period, expected count, dtype, bytes)
+    (as ``global_step`` counts them: under manual optimization every optimizer's step, assumed
+    once a batch, see :func:`~dynamics.callbacks.probe.expected_steps`) over that number, so the
+    whole trajectory is covered and later analysis can project it onto any plane. θ0 and the
+    final θT are stored as vectors whatever the budget. When the budget holds fewer than two
+    snapshots (above 8.4M float32 parameters for 64 MiB), or the run's length is unknown, no
+    snapshots are kept and a warning event says why and what to change: the recorder works on a
+    model of any size. The plan (period, expected count, dtype, bytes)
     is stored in the run file with the probe's settings.
 
     ``snapshot_dtype="float16"`` or ``"bfloat16"`` halves each snapshot, at a coarser precision
@@ -104,7 +112,7 @@ class ParameterDisplacement(Probe):
         self._theta0 = self._groups.grouped(theta0.to(self._params[0].device))
         self._before = torch.empty_like(self._theta0)
         self._before_views = self._groups.views(self._before)
-        steps = trainer.estimated_stepping_batches
+        steps = expected_steps(trainer, pl_module)
         # Lightning answers -1 (max_steps' default) for an iterable dataset of unknown length.
         self._expected_steps = steps if 0 < steps < math.inf else math.inf
         self.snapshot_period, reason = self._snapshot_plan()

@@ -22,6 +22,7 @@ Probes do not depend on the Lightning namespace (``pytorch_lightning`` or
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +163,22 @@ class Probe:
         """The notes since the last call, as ``(step, message)``; called by the recorder."""
         notes, self._notes = self._notes, []
         return notes
+
+
+def expected_steps(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
+    """The Trainer's estimate of the fit's length in ``global_step`` units (the steps rows are
+    due at); not positive and finite when unknown.
+
+    Lightning's ``estimated_stepping_batches`` counts batches, but under manual optimization
+    ``global_step`` advances at every optimizer's step: a GAN's two optimizers take two a batch,
+    and a budget planned on batches would hold twice what it was given. There the estimate
+    assumes each optimizer steps once a batch (within ``max_steps``).
+    """
+    steps = getattr(trainer, "estimated_stepping_batches", -1)
+    if pl_module.automatic_optimization or not 0 < steps < math.inf:
+        return steps
+    steps *= max(1, len(trainer.optimizers))
+    return min(steps, trainer.max_steps) if trainer.max_steps > 0 else steps
 
 
 def detached_copy(batch: Any) -> Any:

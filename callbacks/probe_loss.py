@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -103,3 +104,13 @@ def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` in ``dtype`` if it is floating point (batches and buffers of an extra pass
     follow the parameters' precision; integer labels and counters stay as they are)."""
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def frozen_parameters(
+    module: torch.nn.Module, dtype: torch.dtype, varied: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """``module``'s parameters outside ``varied`` (those with ``requires_grad=False``), detached
+    and :func:`upcast` to ``dtype``: a pass that substitutes the varied ones in ``dtype`` holds
+    these fixed, and left in their own dtype they would meet ``dtype`` in one op and fail."""
+    varied = set(varied)
+    return {n: upcast(p.detach(), dtype) for n, p in module.named_parameters() if n not in varied}

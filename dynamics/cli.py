@@ -616,6 +616,11 @@ def _compare(args: argparse.Namespace) -> int:
             f"--barrier-points must be 0 or from 2 to {_MAX_BARRIER_POINTS}, got {barrier_points}"
         )
     init_args = _json_object(args.init_args, "--init-args")
+    if args.model is not None and barrier_points:
+        from dynamics.rebuild import model_target
+
+        # The user's --model (a typo, a missing file) is their input, not a run's remark.
+        model_target(args.model)
     from dynamics.analysis.compare import write_comparison
 
     barrier_batch = None

@@ -110,7 +110,7 @@ def rebuild_module(
     spec = run.attrs.get(names.ATTR_MODULE) or {}
     class_path = spec.get("class_path", "")
     if model:
-        target = _target(model)
+        target = model_target(model)
     else:
         target = _recorded_class(run, class_path, trust_recorded_model)
         _check_module_class(run, class_path, target)
@@ -145,7 +145,7 @@ def build_module(model: str, init_args: Mapping[str, Any] | None = None) -> nn.M
     Raises:
         DynamicsError: it cannot be imported or called, or returns no ``torch.nn.Module``.
     """
-    return _built(_target(model), dict(init_args or {}), "")
+    return _built(model_target(model), dict(init_args or {}), "")
 
 
 def _built(target: Any, args: Mapping[str, Any], where: str) -> nn.Module:
@@ -381,7 +381,7 @@ def _recorded_class(run: Run, class_path: str, trusted: bool) -> Any:
     )
 
 
-def _target(spec: str) -> Any:
+def model_target(spec: str) -> Any:
     """The callable named by ``pkg.module:name`` or ``path/to/file.py:name``."""
     location, _, attribute = spec.rpartition(":")
     if not location or not attribute:

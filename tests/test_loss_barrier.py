@@ -224,6 +224,81 @@ def test_held_out_dict_batch_ends_are_the_models_losses_on_it(trained_bn, tmp_pa
     assert abs(loss(slow) - module_loss(slow, probe_batch(runs[0])).item()) > 1e-3
 
 
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        (
+            {"image": torch.zeros(4, 1, 6, 6)},
+            "cannot take the held-out batch batch.pt (4 samples): KeyError: 'label'",
+        ),
+        (
+            [torch.zeros(4, 1, 6, 6), torch.zeros(4, dtype=torch.long)],
+            "cannot take the held-out batch batch.pt (4 samples): TypeError",
+        ),
+    ],
+)
+def test_cli_refuses_a_held_out_batch_the_dict_model_cannot_read(tmp_path, capsys, batch, message):
+    """A dict-batch model handed a dict without a key its training step reads (KeyError) or a
+    list: one line, exit 2, nothing written (the KeyError was a traceback, exit 1)."""
+    runs = []
+    for name, lr in (("slow", 0.05), ("fast", 0.3)):
+        path = tmp_path / f"{name}.h5"
+        probes = [TrainingLoss(), ParameterDisplacement(snapshot_budget_mb=0)]
+        torch.manual_seed(3)
+        trainer = make_quiet_trainer(max_steps=2, callbacks=[DynamicsRecorder(path, probes)])
+        trainer.fit(BatchNormDictCNN(lr=lr))
+        runs.append(str(path))
+    out = tmp_path / "page.html"
+    out.write_text("the user's page")
+    path = save(tmp_path / "batch.pt", batch)
+    argv = ["compare", *runs, "-o", str(out), "--overwrite", "--trust-recorded-model"]
+    assert main([*argv, "--barrier-points", "3", "--barrier-batch", str(path)]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and message in stderr, stderr
+    assert out.read_text() == "the user's page"
+
+
+def test_cli_never_writes_the_page_over_the_held_out_batch(tmp_path, capsys):
+    """``-o`` naming the batch file, even with --overwrite: one line, exit 2, the batch kept
+    (it was replaced by the page)."""
+    runs = [str(run.path) for run in saddle_runs(tmp_path)]
+    held = held_out_file(tmp_path)
+    content = held.read_bytes()
+    model = f"{Path(__file__).resolve()}:SaddleQuadratic"
+    argv = ["compare", *runs, "--model", model, "--barrier-batch", str(held)]
+    assert main([*argv, "-o", str(held), "--overwrite"]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr == f"dynamics: error: {held} is one of the input files; choose another output\n"
+    assert held.read_bytes() == content
+
+
+@pytest.mark.parametrize("held_out", [False, True])
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("missing.py:SaddleQuadratic", "--model missing.py:SaddleQuadratic: no such file"),
+        ("{this}:SaddleQuadratik", ":SaddleQuadratik: {this} has no SaddleQuadratik"),
+    ],
+)
+def test_cli_refuses_a_model_it_cannot_find(
+    tmp_path, capsys, monkeypatch, model, message, held_out
+):
+    """A --model naming no file or no class is the user's input: one line, exit 2, the page
+    left as it was (it was a remark per run on a page written with exit 0)."""
+    this = str(Path(__file__).resolve())
+    runs = [str(run.path) for run in saddle_runs(tmp_path)]
+    out = tmp_path / "page.html"
+    out.write_text("the user's page")
+    monkeypatch.chdir(tmp_path)
+    argv = ["compare", *runs, "-o", str(out), "--overwrite", "--model", model.format(this=this)]
+    if held_out:
+        argv += ["--barrier-batch", str(held_out_file(tmp_path))]
+    assert main(argv) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and message.format(this=this) in stderr, stderr
+    assert out.read_text() == "the user's page"
+
+
 def test_compare_page_shows_the_barriers_of_rebuildable_runs(demo, dynamics):
     folder, _ = demo
     runs = folder / "runs"
@@ -314,6 +389,8 @@ def test_cli_compare_on_a_held_out_batch(tmp_path, dynamics):
             "slow.h5: the rebuilt model cannot take the held-out batch batch.pt",
         ),
         ("points 0", "--barrier-batch: no loss barrier is evaluated with --barrier-points 0"),
+        # A mean over no samples is NaN: a page of NaN barriers, not a measurement.
+        ((torch.zeros(0, 3),), "holds an empty tensor (shapes (0, 3))"),
     ],
 )
 def test_cli_refuses_a_bad_held_out_batch_and_changes_nothing(tmp_path, capsys, batch, message):

@@ -580,6 +580,60 @@ def test_manual_optimization_without_dynamics_loss_disables_curvature_probes(tmp
 # 4. Gradient accumulation
 
 
+class TwoOptimizerGAN(pl.LightningModule):
+    """A GAN-like toy under manual optimization: the discriminator and the generator each take
+    one optimizer step a batch, so ``global_step`` advances by two a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.discriminator = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        generator, discriminator = self.optimizers()
+        fake = self.generator(torch.randn(len(real), 3))
+        critic = F.softplus(-self.discriminator(real)).mean()
+        critic = critic + F.softplus(self.discriminator(fake.detach())).mean()
+        discriminator.zero_grad()
+        self.manual_backward(critic)
+        discriminator.step()
+        loss = F.softplus(-self.discriminator(fake)).mean()
+        generator.zero_grad()
+        self.manual_backward(loss)
+        generator.step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+            torch.optim.SGD(self.discriminator.parameters(), lr=0.1),
+        ]
+
+    def train_dataloader(self):
+        real = torch.randn(48, 4, generator=torch.Generator().manual_seed(0)) + 2
+        return DataLoader(TensorDataset(real), batch_size=8)
+
+
+def test_snapshot_budget_under_manual_optimization_with_two_optimizers(tmp_path):
+    """The snapshot plan counts steps as global_step does (two a batch here): the budget of 4
+    snapshots holds, and the plan's expected count is what was stored. It planned on batches
+    before: period 2 over 12 global steps stored 6 snapshots where 4 fit, 3 expected."""
+    torch.manual_seed(0)
+    bytes_each = 4 * sum(p.numel() for p in TwoOptimizerGAN().parameters())
+    probe = ParameterDisplacement(snapshot_budget_mb=4 * bytes_each / 2**20)
+    trainer, run = fit_recorded(
+        TwoOptimizerGAN(), tmp_path / "gan.h5", [TrainingLoss(), probe], max_epochs=1
+    )
+    assert trainer.global_step == 12
+    stored = run.series("snapshots").step
+    assert len(stored) <= 4
+    (settings,) = [p["settings"] for p in run.attrs["probes"] if p["name"] == "displacement"]
+    assert settings["snapshots"]["expected"] == len(stored)
+    np.testing.assert_array_equal(run.series("loss").step, range(0, 12, 2))
+
+
 def test_gradient_accumulation_records_mean_unscaled_loss(tmp_path):
     """With ``accumulate_grad_batches=4`` the recorded ``loss/train`` of a step is the mean of
     its four micro-batches' unscaled losses (each recomputed from inside training_step at the same
@@ -725,6 +779,76 @@ def test_bf16_true_on_cpu(tmp_path):
     assert last.step == 3 and last.source == "snapshot"
     expected = np.linalg.norm(last.theta.astype(np.float64) - theta0)
     assert run.series("displacement")["total"][-1] == pytest.approx(expected, rel=1e-6)
+
+
+class FrozenTiedLM(pl.LightningModule):
+    """Bag-of-tokens classifier: a frozen layer (its weight ``requires_grad=False``), the output
+    head tied to the embedding, and tensors of the same sizes in irregular order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 6)
+        self.a = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.weight.requires_grad_(False)
+        self.gain = nn.Parameter(torch.ones(6))
+        self.head = nn.Linear(6, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(self.emb(x).mean(1)))
+        return self.head(torch.tanh(self.frozen(h)) * self.gain)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 8, (32, 5), generator=generator)
+        return DataLoader(TensorDataset(x, torch.randint(0, 8, (32,), generator=generator)), 8)
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-true"])
+def test_frozen_and_tied_parameters_in_the_extra_passes(tmp_path, precision):
+    """The probes that substitute the trainable parameters in float32/float64 (HessianSpectrum,
+    LossChangeSplit) cast the frozen ones along: before, LossChangeSplit failed on every model
+    with a frozen parameter (float64 met float32) and HessianSpectrum on one under bf16-true
+    (float32 met bfloat16), each disabled with an error event. The eigenvalues are those of the
+    dense Hessian of the loss on the probe batch at each recorded θ, with the head tied."""
+    from torch.func import functional_call
+
+    from dynamics.callbacks import LossChangeSplit
+
+    torch.manual_seed(0)
+    module = FrozenTiedLM()
+    probes = [
+        TrainingLoss(),
+        ParameterDisplacement(snapshot_every_n_steps=1),
+        HessianSpectrum(k=2, every_n_steps=1, tol=1e-6),
+        LossChangeSplit(every_n_steps=1),
+    ]
+    _, run = fit_recorded(module, tmp_path / "run.h5", probes, max_steps=3, precision=precision)
+    assert not [e for e in run.events() if e.kind in ("error", "disabled")], run.events()
+    assert np.isfinite(run.series("loss_change")["terms"]).all()
+    x, y = next(iter(module.train_dataloader()))  # the probe batch: the fit's first batch
+    module = module.double()
+    layout = run.layout
+    assert "head.weight" not in layout.names and "frozen.weight" not in layout.names
+
+    def loss(theta: torch.Tensor) -> torch.Tensor:
+        tensors = dict(zip(layout.names, layout.split(theta)))
+        return F.cross_entropy(functional_call(module, tensors, (x,)), y)
+
+    hessian, snapshots = run.series("hessian"), run.series("snapshots")
+    np.testing.assert_array_equal(hessian.step, snapshots.step)
+    for eigenvalues, theta in zip(hessian["eigenvalues"], snapshots["theta"]):
+        dense = torch.autograd.functional.hessian(loss, torch.tensor(theta, dtype=torch.float64))
+        top = torch.linalg.eigvalsh(dense).flip(0)[:2].numpy()
+        np.testing.assert_allclose(eigenvalues, top, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -338,7 +338,7 @@ def bad_input_results(tmp_path_factory):
         "missing folder": (["report", run, "-o", folder / "nope" / "r.html"], "does not exist"),
         "unwritable folder": (["report", run, "-o", locked / "r.html"], "cannot write"),
         "existing output": (["compare", run, run, "-o", folder / "existing.html"], "exists"),
-        "output is an input": (["report", run, "-o", run, "--overwrite"], "input run files"),
+        "output is an input": (["report", run, "-o", run, "--overwrite"], "one of the input files"),
         "one run to compare": (["compare", run, "-o", out], "required"),
     }
     before = {p: p.read_bytes() for p in (run, folder / "existing.html")}
