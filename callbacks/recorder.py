@@ -31,7 +31,13 @@ from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
 from dynamics.callbacks.training_loss import TrainingLoss
-from dynamics.params import BufferLayout, ParameterLayout, parameter_vector, vector_hash
+from dynamics.params import (
+    BufferLayout,
+    ParameterLayout,
+    frozen_hash,
+    parameter_vector,
+    vector_hash,
+)
 from dynamics.rebuild import module_record
 from dynamics.store import RunFileError, RunLock, RunWriter, SeriesSpec, names
 
@@ -494,6 +500,7 @@ class RecorderBase:
             names.ATTR_CONFIG: self.config,
             names.ATTR_LAYOUT: layout.to_dict(),
             names.ATTR_THETA0_SHA256: vector_hash(parameter_vector(pl_module, layout)),
+            **({names.ATTR_FROZEN_SHA256: frozen} if (frozen := frozen_hash(pl_module)) else {}),
             names.ATTR_BUFFERS: BufferLayout.of(pl_module).to_dict(),
             names.ATTR_MODULE: module_record(pl_module),
             **fit_attributes(trainer, pl_module),

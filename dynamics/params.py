@@ -241,3 +241,10 @@ def vector_hash(vector: torch.Tensor | np.ndarray) -> str:
     # Through float32 in torch: numpy has no bfloat16.
     array = vector.detach().float().cpu().numpy() if isinstance(vector, torch.Tensor) else vector
     return hashlib.sha256(np.ascontiguousarray(array, dtype="<f4").tobytes()).hexdigest()
+
+
+def frozen_hash(module: nn.Module) -> str | None:
+    """:func:`vector_hash` of ``module``'s frozen parameters (``requires_grad=False``, by name),
+    which a run file does not store; None when it has none."""
+    frozen = [p for _, p in sorted(module.named_parameters()) if not p.requires_grad]
+    return vector_hash(flatten(frozen)) if frozen else None

@@ -134,6 +134,7 @@ def rebuild_module(
     # Before θ0 is loaded: a shifted activation holds its φ as a child, under another name.
     _replay_edits(run, module, given_model=bool(model))
     _load_theta0(run, module, args)
+    run.check_frozen_parameters(module)
     _check_submodules(run, module)
     return module
 

@@ -851,6 +851,30 @@ def test_frozen_and_tied_parameters_in_the_extra_passes(tmp_path, precision):
         np.testing.assert_allclose(eigenvalues, top, rtol=1e-5)
 
 
+def test_frozen_parameters_drawn_afresh_are_refused_offline(tmp_path):
+    """The run file holds frozen parameters only as a hash: a model whose constructor draws
+    them afresh is refused by ``load_into`` and ``rebuild_module`` (before, its losses were
+    other ones, silently: 2.188 against the trained 2.174 at θT on this model), and one that
+    has the run's frozen values loads and computes the trained model's loss."""
+    from dynamics.errors import DynamicsError
+    from dynamics.loss_rule import module_loss
+    from dynamics.rebuild import rebuild_module
+
+    torch.manual_seed(0)
+    module = FrozenTiedLM()
+    _, run = fit_recorded(module, tmp_path / "run.h5", [ParameterDisplacement()], max_steps=3)
+    torch.manual_seed(1)
+    with pytest.raises(DynamicsError, match=r"frozen parameters \(requires_grad=False\) are not"):
+        run.load_into(FrozenTiedLM())
+    with pytest.raises(DynamicsError, match="frozen parameters"):
+        rebuild_module(run, model=f"{__file__}:FrozenTiedLM")
+    same = FrozenTiedLM()
+    same.frozen.weight.data.copy_(module.frozen.weight)
+    run.load_into(same)
+    batch = next(iter(module.train_dataloader()))
+    assert module_loss(same.eval(), batch).item() == module_loss(module.eval(), batch).item()
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. Both Lightning namespaces, Trainer and LightningCLI
 

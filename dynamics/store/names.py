@@ -11,6 +11,7 @@ ATTR_CONFIG = "config"
 ATTR_VERSIONS = "versions"
 ATTR_LAYOUT = "layout"
 ATTR_THETA0_SHA256 = "theta0_sha256"
+ATTR_FROZEN_SHA256 = "frozen_sha256"  # of the frozen parameters at θ0 (absent: none)
 ATTR_MODULE = "module"  # {"class_path", "init_args": {...}, "unrecorded_init_args": [...]}
 ATTR_BUFFERS = "buffers"  # the persistent buffers' layout: names, shapes, dtypes, unstored
 ATTR_PROBES = "probes"  # [{"class", "name", "every_n_steps", "settings"}, ...]

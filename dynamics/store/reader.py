@@ -293,7 +293,8 @@ class Run:
         Raises:
             RunFileError: the run stores no θ0 or no parameter layout.
             DynamicsError: the model's parameters, buffers or submodules (class and settings,
-                e.g. a shifted activation) differ from the run's.
+                e.g. a shifted activation) differ from the run's, or its frozen parameters
+                (which the file holds only as a hash) are not the run's.
 
         Warns:
             UserWarning: the model has persistent buffers and the run recorded none: the model
@@ -312,6 +313,7 @@ class Run:
                 f"({differing}); load into dynamics.rebuild.rebuild_module(run), which replays "
                 "what callbacks did to the module at fit time"
             )
+        self.check_frozen_parameters(model)
         states = self.stored_states()
         state = states[-1] if step is None else min(states, key=lambda s: abs(s.step - step))
         try:
@@ -325,6 +327,26 @@ class Run:
                 f"{self.path.name}: no buffers recorded; the model keeps its own", stacklevel=2
             )
         return state
+
+    def check_frozen_parameters(self, model: nn.Module) -> None:
+        """Refuse ``model`` if its frozen parameters (``requires_grad=False``) are not the run's.
+
+        The run file stores only their hash (at θ0): a model whose constructor draws them
+        afresh, rather than loading what the run had, would compute other losses silently.
+
+        Raises:
+            DynamicsError: they differ from the run's (or the model has none and the run had).
+        """
+        from dynamics.params import frozen_hash
+
+        recorded = self.attrs.get(names.ATTR_FROZEN_SHA256)
+        if recorded is not None and frozen_hash(model) != recorded:
+            raise DynamicsError(
+                f"{self.path.name}: the model's frozen parameters (requires_grad=False) are not "
+                "the run's, which the run file holds only as a hash; build the model so that "
+                "it has them (the same pretrained weights or seed), or pass --model a factory "
+                "that does"
+            )
 
     def submodule_differences(self, model: nn.Module) -> str:
         """Where ``model``'s submodules differ in class or settings from those the run

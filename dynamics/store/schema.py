@@ -139,6 +139,7 @@ ATTR_TYPES: dict[str, type] = {
     names.ATTR_LAYOUT: dict,
     names.ATTR_BUFFERS: dict,
     names.ATTR_THETA0_SHA256: str,
+    names.ATTR_FROZEN_SHA256: str,
     names.ATTR_MODULE: dict,
     names.ATTR_PROBES: list,
     names.ATTR_SUBMODULES: dict,
