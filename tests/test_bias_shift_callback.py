@@ -571,6 +571,8 @@ def test_layers_built_in_configure_model_are_shifted_and_recorded(tmp_path, reco
     for p, q in zip(module.parameters(), by_hand.parameters()):
         assert torch.equal(p, q)
 
+    with pytest.raises(DynamicsError, match=r"call model.configure_model\(\) first"):
+        run.load_into(LateMLP())
     rebuilt = rebuild_module(run, model=f"{THIS_FILE}:LateMLP")
     run.load_into(rebuilt)
     batch = next(iter(regression_batches()))

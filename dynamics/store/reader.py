@@ -306,11 +306,18 @@ class Run:
             raise RunFileError(f"{self.path.name}: no parameter layout recorded")
         differing = self.submodule_differences(model)
         if differing:
+            from dynamics.rebuild import builds_in_configure_model
+
             # The same parameters in a module of other activations (a run shifted by
             # ShiftActivations loaded into the unshifted class) compute other losses silently.
+            advice = (
+                "call model.configure_model() first, which builds its layers, or load into "
+                if builds_in_configure_model(model)
+                else "load into "
+            )
             raise DynamicsError(
                 f"{self.path.name}: the model's submodules differ from the run's "
-                f"({differing}); load into dynamics.rebuild.rebuild_module(run), which replays "
+                f"({differing}); {advice}dynamics.rebuild.rebuild_module(run), which replays "
                 "what callbacks did to the module at fit time"
             )
         self.check_frozen_parameters(model)
