@@ -17,7 +17,7 @@ from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.initial_gradient import initial_gradient
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.landscape import LossSurface, Trajectory, evaluate_grid, trajectory
-from dynamics.params import ParameterLayout, flatten, parameter_vector, vector_hash
+from dynamics.params import ParameterLayout, flatten, parameter_vector, storable, vector_hash
 from dynamics.plane import Plane, covering_grid, out_of_plane_view, plane_from_gradients, project
 from dynamics.store import RunFileError, names, open_run
 
@@ -298,12 +298,11 @@ class GradientPlane(Probe):
 
     def _batch_arrays(self) -> list[tuple[str, np.ndarray]]:
         _, leaves = flatten_batch(self._loss.batch)
-        # Half-precision leaves (a bf16-true fit's inputs) as float32, exactly: numpy and run
-        # files have no bfloat16; the offline views evaluate the loss in float64 anyway.
-        half = (torch.bfloat16, torch.float16)
+        # The offline views evaluate the loss in float64 anyway: a bf16 batch as float32 loses
+        # nothing.
         return [
-            (f"{names.PROBE_BATCH_PREFIX}{i}", (t.float() if t.dtype in half else t).cpu().numpy())
-            for i, t in enumerate(t.detach() for t in leaves)
+            (f"{names.PROBE_BATCH_PREFIX}{i}", storable(t.detach()).cpu().numpy())
+            for i, t in enumerate(leaves)
         ]
 
     def _padded(self, values: np.ndarray) -> np.ndarray:

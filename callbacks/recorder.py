@@ -225,19 +225,17 @@ class RecorderBase:
             return
         step, due = self._armed
         for probe in self._active(due):
-            # Probe's own hook is a no-op (a wrapper defining it per instance is called).
-            if getattr(type(probe), "on_micro_batch_end", None) is not Probe.on_micro_batch_end:
-                self._call(
-                    trainer,
-                    probe,
-                    step,
-                    probe.on_micro_batch_end,
-                    trainer,
-                    pl_module,
-                    batch,
-                    outputs,
-                    step,
-                )
+            self._call(
+                trainer,
+                probe,
+                step,
+                probe.on_micro_batch_end,
+                trainer,
+                pl_module,
+                batch,
+                outputs,
+                step,
+            )
         if trainer.global_step == step:
             return  # gradient accumulation: the optimizer has not stepped yet
         self._armed = None

@@ -50,27 +50,18 @@ class TrainingLoss(Probe):
         self._losses = []
 
     def on_micro_batch_end(self, trainer, pl_module, batch, outputs, step) -> None:
-        # Lightning hands a dict; the exact type test spares the Mapping ABC's slower check.
-        if type(outputs) is dict or isinstance(outputs, Mapping):
-            loss = outputs.get("loss")
-        else:
-            loss = outputs
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
-            if trainer.accumulate_grad_batches != 1 and pl_module.automatic_optimization:
+            if pl_module.automatic_optimization:
                 # Lightning divides what training_step returned by the accumulation count.
                 loss = loss * trainer.accumulate_grad_batches
         else:
             loss = self._logged_loss(trainer, step)
         if loss is not None:
-            loss = loss.detach()
-            if loss.dtype != torch.float32:  # the usual float32 scalar needs no op
-                loss = loss.float()
-            self._losses.append(loss if loss.dim() == 0 else loss.reshape(()))
+            self._losses.append(loss.detach().float().reshape(()))
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
-        if len(self._losses) == 1:  # the usual step: no op on the device
-            loss = self._losses[0]
-        elif self._losses:
+        if self._losses:
             loss = torch.stack(self._losses).mean()
         else:
             self._note_once(

@@ -198,11 +198,15 @@ def _storage(dtype: str) -> str:
 
 
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Concatenate tensors into one detached flat vector (a copy); half-precision tensors (a
-    "bf16-true" fit's parameters) become float32, exactly: numpy and run files have no
-    bfloat16, and differences of half-precision vectors would be rounded to it."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    return flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+    """Concatenate tensors into one detached flat vector (a copy), half precision as exact
+    float32 (:func:`storable`): differences of half-precision vectors would be rounded to it."""
+    return storable(torch.cat([t.detach().reshape(-1) for t in tensors]))
+
+
+def storable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as numpy and run files can hold it: half-precision floats (a "bf16-true"
+    fit's parameters and inputs) as float32, exactly; any other dtype as it is."""
+    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
 
 
 def parameter_vector(module: nn.Module, layout: ParameterLayout | None = None) -> torch.Tensor:

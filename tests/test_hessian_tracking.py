@@ -19,7 +19,7 @@ from dynamics.curvature import (
     lanczos,
     track_eigenpairs,
 )
-from dynamics.curvature.subspace_tracking import _project_off
+from dynamics.curvature.krylov import project_off
 from dynamics.params import flatten
 from tests.test_hessian_spectrum import _dense, _tiny, _tiny_loss_of_flat
 
@@ -280,14 +280,14 @@ def test_projecting_off_the_basis_takes_a_second_pass_only_where_the_first_remov
     # A Ritz residual: orthogonal to the basis up to rounding. One pass (two products) does.
     nearly = (outside + 1e-14 * rows[0])[None].clone()
     with _CountedMatmuls() as counted:
-        _project_off(nearly, rows)
+        project_off(nearly, rows)
     assert counted.count == 2
     assert (rows @ nearly[0]).abs().max() <= 1e-15
     # A vector all but inside the span: after one pass its remainder (1e-9 of it) still
     # carries rounding of the whole vector, ~1e-7 of the remainder; the second pass removes it.
     inside = (rows.T @ torch.ones(6, dtype=torch.float64) + 1e-9 * outside)[None].clone()
     with _CountedMatmuls() as counted:
-        _project_off(inside, rows)
+        project_off(inside, rows)
     assert counted.count == 4
     remainder = inside[0] / torch.linalg.vector_norm(inside[0])
     assert (rows @ remainder).abs().max() <= 1e-12

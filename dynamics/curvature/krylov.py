@@ -17,6 +17,29 @@ import torch
 from dynamics.curvature.operator import LinearOperator
 
 
+def project_off(block: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Remove from each row of ``block``, in place, its components along the orthonormal
+    ``rows``: one pass, and a second only where the first removed most of a vector
+    (Daniel–Gragg–Kaufman–Stewart), which is when rounding in the first can matter.
+
+    Returns:
+        The coefficients removed, ``(len(block), len(rows))`` in float64.
+    """
+    removed = torch.zeros(len(block), len(rows), dtype=torch.float64, device=block.device)
+    if not len(rows):
+        return removed
+    norm = torch.linalg.vector_norm(block, dim=1)
+    for _ in range(2):
+        correction = block @ rows.T
+        block -= correction @ rows
+        removed += correction.double()
+        shrunk = torch.linalg.vector_norm(block, dim=1)
+        if (shrunk > norm / math.sqrt(2)).all():
+            break
+        norm = shrunk
+    return removed
+
+
 def random_vectors(
     count: int, operator: LinearOperator, seed: int, *, rademacher: bool = False
 ) -> Iterator[torch.Tensor]:
@@ -98,16 +121,8 @@ class KrylovBasis:
         column = torch.zeros(self.m, dtype=torch.float64)
         column[:j] = self.couplings
         column[j] = alpha.item()
-        norm = torch.linalg.vector_norm(vector)
-        for _ in range(2):
-            correction = self.basis @ vector
-            vector -= correction @ self.basis
-            column += correction.double().cpu()
-            shrunk = torch.linalg.vector_norm(vector)
-            if shrunk > norm / math.sqrt(2):
-                break
-            norm = shrunk
-        self.beta = shrunk.item()
+        column += project_off(vector[None], self.basis)[0].cpu()
+        self.beta = torch.linalg.vector_norm(vector).item()
         if not (math.isfinite(self.beta) and column.isfinite().all()):
             raise FloatingPointError("a Hessian-vector product is not finite")
         self.projected[: self.m, j] = column

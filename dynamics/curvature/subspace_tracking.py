@@ -18,11 +18,10 @@ cold Lanczos at every record (``benchmarks/bench_hessian.py``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dynamics.curvature.eigenpairs import Eigenpairs
+from dynamics.curvature.krylov import project_off
 from dynamics.curvature.operator import LinearOperator
 from dynamics.curvature.restarted_lanczos import lanczos
 
@@ -139,16 +138,17 @@ def _extend(
 
     The block is projected off the basis at once (one pass over the basis for all its vectors,
     not one per vector: that took a fifth as long as the products in a profile of a
-    default-config record), a second time only where needed (:func:`_project_off`: a Ritz
-    residual is orthogonal to the basis up to rounding, so one pass nearly always does), then
+    default-config record), a second time only where needed
+    (:func:`~dynamics.curvature.krylov.project_off`: a Ritz residual is orthogonal to the basis
+    up to rounding, so one pass nearly always does), then
     its vectors against each other. A direction that is (numerically) already spanned is
     dropped: it adds no information and would only amplify rounding.
     """
     scale = torch.linalg.vector_norm(incoming, dim=1)
-    _project_off(incoming, basis[:m])
+    project_off(incoming, basis[:m])
     first = m
     for vector, norm in zip(incoming, scale):
-        _project_off(vector[None], basis[first:m])
+        project_off(vector[None], basis[first:m])
         left = torch.linalg.vector_norm(vector)
         if not left > norm * 1e3 * torch.finfo(vector.dtype).eps:
             continue
@@ -156,18 +156,3 @@ def _extend(
         images[m] = operator.matvec(basis[m])
         m += 1
     return m
-
-
-def _project_off(block: torch.Tensor, rows: torch.Tensor) -> None:
-    """Remove from each row of ``block``, in place, its components along the orthonormal
-    ``rows``: one pass, and a second only where the first removed most of a vector
-    (Daniel–Gragg–Kaufman–Stewart), which is when rounding in the first can matter."""
-    if not len(rows):
-        return
-    norm = torch.linalg.vector_norm(block, dim=1)
-    for _ in range(2):
-        block -= (block @ rows.T) @ rows
-        shrunk = torch.linalg.vector_norm(block, dim=1)
-        if (shrunk > norm / math.sqrt(2)).all():
-            return
-        norm = shrunk

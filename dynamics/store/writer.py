@@ -285,9 +285,7 @@ class RunWriter:
         """Buffer one row of ``group`` (every series of the group, as tensors or arrays)."""
         if self._stopped:
             return
-        rows = self._pending.get(group)
-        if rows is None:
-            rows = self._pending[group] = []
+        rows = self._pending.setdefault(group, [])
         rows.append((step, values))
         limit = self._block_limits.get(group)
         if limit is None:
@@ -297,7 +295,7 @@ class RunWriter:
             limit = self._block_limits[group] = max(
                 1, min(self.block_rows, -(-self.block_bytes // max(row_bytes, 1)))
             )
-        if time.monotonic() - self._last_flush >= self.flush_interval_s:
+        if self.interval_elapsed():
             self.flush()
         elif len(rows) >= limit:
             with self._writing():
