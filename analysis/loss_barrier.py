@@ -47,6 +47,7 @@ from dynamics.store import Run, names
 
 if TYPE_CHECKING:
     from dynamics.landscape import LossSurface
+    from dynamics.rebuild import RunInitArgs
 
 #: Points evaluated along each line, the ends included (α = 0, 0.05, ..., 1).
 POINTS = 21
@@ -179,7 +180,7 @@ def loss_barriers(
     points: int = POINTS,
     *,
     model: str | None = None,
-    init_args: dict | None = None,
+    init_args: dict | RunInitArgs | None = None,
     trust_recorded_model: bool = False,
     held_out: HeldOutBatch | None = None,
 ) -> Barriers:
@@ -190,7 +191,9 @@ def loss_barriers(
         labels: their names on the page.
         points: points per line, the ends included (at least 2).
         model: build each run's model with this class or factory instead of the recorded one.
-        init_args: init args completing or overriding the recorded ones.
+        init_args: init args overriding the recorded ones for every run (a mapping), or each
+            run's own, which also complete the ones it did not record
+            (:class:`~dynamics.rebuild.RunInitArgs`).
         trust_recorded_model: import a recorded class from outside the installed packages.
         held_out: evaluate every line on this batch instead of the runs' probe batches.
 
@@ -198,8 +201,9 @@ def loss_barriers(
         The lines evaluated, and a one-line remark for each run or pair that could not be.
 
     Raises:
-        DynamicsError: ``points`` below 2, or a rebuilt model cannot take ``held_out``
-            (:class:`~dynamics.analysis.plane_run.BatchRefused`).
+        DynamicsError: ``points`` below 2, a rebuilt model cannot take ``held_out``
+            (:class:`~dynamics.analysis.plane_run.BatchRefused`), or a run's init args were
+            neither recorded nor given (:class:`~dynamics.rebuild.MissingInitArgs`).
     """
     if points < 2:
         raise DynamicsError(f"a loss-barrier line needs at least 2 points, got {points}")
@@ -221,7 +225,9 @@ def loss_barriers(
         return Barriers(lines, remarks)
     # Imported only now: a comparison of runs without lines to draw never loads torch.
     from dynamics.analysis.plane_run import BatchRefused, rebuilt_surface
-    from dynamics.rebuild import probe_batch
+    from dynamics.rebuild import MissingInitArgs, probe_batch, run_init_args
+
+    init_args = run_init_args(init_args, [run.path for run in runs])
 
     def surface_of(run: Run, label: str, buffers_of: Sequence[Run] = ()) -> tuple[LossSurface, str]:
         """The run's rebuilt loss surface on its batch, and what the batch is."""
@@ -247,8 +253,10 @@ def loss_barriers(
             theta0, theta_final = _endpoints(run)
             surface, batch_name = surface_of(run, label)
         except DynamicsError as error:
-            if held_out is not None and isinstance(error, BatchRefused):
-                raise  # the user's batch: an error, not a remark
+            if isinstance(error, MissingInitArgs) or (
+                held_out is not None and isinstance(error, BatchRefused)
+            ):
+                raise  # the user's input (their batch, their init args): an error, not a remark
             remarks.append(f"no loss barrier for {label}: {error}")
             continue
         usable[label] = run

@@ -21,6 +21,7 @@ from dynamics.errors import DynamicsError
 if TYPE_CHECKING:
     from dynamics.analysis.report import Written
     from dynamics.bias_audit_result import AuditResult
+    from dynamics.rebuild import RunInitArgs
 
 USAGE_ERROR = 2
 #: A shell's status of a command whose reader went away (128 + SIGPIPE).
@@ -344,7 +345,13 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "path/to/file.py:name) instead of the recorded class",
     )
     parser.add_argument(
-        "--init-args", metavar="JSON", help="init args completing or overriding the recorded ones"
+        "--init-args",
+        action="append",
+        default=[],
+        metavar="[RUN.h5=]JSON",
+        help="a run's init args (RUN.h5=JSON, once per run), completing or overriding its "
+        "recorded ones; JSON alone: every run's, overriding only (args a run did not record "
+        "may differ between runs, so each run's are given by name)",
     )
     parser.add_argument(
         "--trust-recorded-model",
@@ -547,7 +554,7 @@ def _plane(args: argparse.Namespace) -> int:
             f"--processes must be at least 1 and at most this machine's {cores} cores, "
             f"got {args.processes}"
         )
-    init_args = _json_object(args.init_args, "--init-args")
+    init_args = _run_init_args(args.init_args)
     written = write_plane(
         args.run_a,
         args.run_b,
@@ -569,6 +576,28 @@ def _plane(args: argparse.Namespace) -> int:
         print(f"{note}: {value:.4f}")
     print(f"wrote {written.html} (grids and trajectories in {written.results})")
     return 0
+
+
+def _run_init_args(texts: Sequence[str]) -> RunInitArgs | None:
+    """``--init-args`` of plane and compare: ``RUN.h5=JSON`` (one run's) or ``JSON`` (every
+    run's), each once; None when none is given."""
+    if not texts:
+        return None
+    from dynamics.rebuild import RunInitArgs
+
+    shared, by_run = None, {}
+    for text in texts:
+        run, equals, value = text.partition("=")
+        if text.lstrip().startswith("{") or not equals:
+            run, value = "", text
+        if run in by_run or (not run and shared is not None):
+            raise DynamicsError(f"--init-args {run + '=' if run else 'JSON'} is given twice")
+        args = _json_object(value, f"--init-args {run}=" if run else "--init-args")
+        if run:
+            by_run[run] = args
+        else:
+            shared = args
+    return RunInitArgs(shared or {}, by_run)
 
 
 def _json_object(text: str | None, option: str) -> dict | None:
@@ -615,7 +644,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise DynamicsError(
             f"--barrier-points must be 0 or from 2 to {_MAX_BARRIER_POINTS}, got {barrier_points}"
         )
-    init_args = _json_object(args.init_args, "--init-args")
+    init_args = _run_init_args(args.init_args)
     if args.model is not None and barrier_points:
         from dynamics.rebuild import model_target
 
@@ -670,7 +699,7 @@ def _compare_groups(args: argparse.Namespace) -> int:
             ("--barrier-points", args.barrier_points is not None),
             ("--barrier-batch", args.barrier_batch is not None),
             ("--model", args.model is not None),
-            ("--init-args", args.init_args is not None),
+            ("--init-args", bool(args.init_args)),
             ("--trust-recorded-model", args.trust_recorded_model),
         )
         if given
