@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
-from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, upcast
+from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_change import LossChange, split_loss_change
 from dynamics.loss_rule import loss_at
@@ -256,7 +256,11 @@ class LossChangeSplit(Probe):
             with torch.random.fork_rng(devices=rng_devices):
                 return loss_at(pl_module, {**fixed, **dict(zip(names_, tensors))}, batch)
 
-        with side_effect_free(pl_module, self.mode), torch.autocast(device.type, enabled=False):
+        with (
+            side_effect_free(pl_module, self.mode),
+            torch.autocast(device.type, enabled=False),
+            uncompiled(),  # float64 evaluations would recompile the graph, or fail in it
+        ):
             return split_loss_change(
                 loss,
                 [t.to(dtype) for t in start],

@@ -16,7 +16,6 @@ first module reads the input), and the result says so.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from dynamics.errors import DynamicsError, one_line
 from dynamics.isolation import side_effect_free
 from dynamics.loss_rule import module_loss
 from dynamics.parameter_groups import is_bias
+from dynamics.params import module_copy, named_modules
 
 #: Layers that take a ``bias`` option in PyTorch: the rows of the layer table.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (
@@ -225,7 +225,7 @@ def _units(model: nn.Module) -> dict[str, nn.Module]:
     ``out_proj``'s weight functionally, a shifted activation's φ is part of it)."""
     units: dict[str, nn.Module] = {}
     wholes: list[str] = []
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):  # compiled or not, the model's own names
         if any(name.startswith(f"{w}.") or not w for w in wholes):
             continue
         if isinstance(module, (nn.MultiheadAttention, ShiftedActivation)):
@@ -346,7 +346,7 @@ def _parameters(model: nn.Module) -> tuple[ParameterCount, ...]:
     """One row per module holding parameters; a tied parameter (an output layer sharing the
     embedding's weight) counts once, at the first module holding it, as ``parameters()``."""
     rows, seen = [], set()
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         seen |= {id(p) for _, p in own}
         if own:
@@ -436,7 +436,7 @@ def _origin(model: nn.Module, example_input: Any, draws: int, seed: int) -> Orig
         return skipped("the input is not all floating point: token ids have no origin")
     try:
         zero = unflatten_batch(tree, [torch.zeros_like(t) for t in leaves])
-        twin = copy.deepcopy(model)
+        twin = module_copy(model)
     except Exception as error:  # an unsupported batch type, a module that cannot be copied
         return skipped(f"cannot copy the model and zero its input: {one_line(error)}")
     generator = torch.Generator().manual_seed(seed)
