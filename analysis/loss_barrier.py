@@ -122,7 +122,7 @@ class Barriers:
     remarks: list[str]
 
 
-def load_batch(path: str | os.PathLike) -> HeldOutBatch:
+def load_batch(path: str | os.PathLike, what: str = "barrier batch") -> HeldOutBatch:
     """A batch saved with ``torch.save``: a tensor, or dicts, lists and tuples of tensors (and
     numbers, strings, None), loaded to the CPU with ``weights_only=True``, so that a file
     holding any other object is refused without running its code.
@@ -135,7 +135,7 @@ def load_batch(path: str | os.PathLike) -> HeldOutBatch:
     import torch
 
     path = Path(path)
-    where = f"barrier batch {path}"
+    where = f"{what} {path}"
     if not path.is_file():
         raise DynamicsError(f"{where}: no such file")
     try:

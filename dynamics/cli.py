@@ -305,6 +305,20 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --input-shape: token ids drawn uniformly from 0..V-1 instead (language models)",
     )
     audit.add_argument(
+        "--input-json",
+        metavar="JSON",
+        help='example input as JSON: an object of keyword arguments, e.g. \'{"input_ids": '
+        "[[1, 2, 3]]}' (Hugging Face models), or an array, the one argument; integers stay "
+        "integers, other numbers take the model's dtype",
+    )
+    audit.add_argument(
+        "--input-file",
+        type=Path,
+        metavar="FILE",
+        help="example input saved with torch.save (loaded with weights_only=True): a dict is "
+        "keyword arguments, a list or tuple positional arguments, a tensor the one argument",
+    )
+    audit.add_argument(
         "--draws", type=int, help="random weight draws of the origin check (default 5)"
     )
     audit.add_argument("--json", action="store_true", help="machine-readable output")
@@ -803,12 +817,23 @@ def _audit(args: argparse.Namespace) -> int:
     import torch
 
     from dynamics.analysis.bias_audit import recorded_audit
-    from dynamics.bias.audit import audit, audit_batch
+    from dynamics.bias.audit import audit, audit_batch, token_embedding
     from dynamics.rebuild import build_module, probe_batch, rebuild_module
     from dynamics.store import names, open_run
 
     shape = _shape(args.input_shape)
     init_args = _json_object(args.init_args, "--init-args")
+    inputs = [
+        option
+        for option, value in (
+            ("--input-shape", args.input_shape),
+            ("--input-json", args.input_json),
+            ("--input-file", args.input_file),
+        )
+        if value is not None
+    ]
+    if len(inputs) > 1:
+        raise DynamicsError(f"{' and '.join(inputs)}: give one example input")
     if args.vocab is not None and (args.vocab < 1 or shape is None):
         raise DynamicsError(
             f"--vocab must be at least 1 and go with --input-shape, got {args.vocab}"
@@ -820,7 +845,7 @@ def _audit(args: argparse.Namespace) -> int:
     if args.target.endswith(".h5"):
         run = open_run(args.target)
         recorded = recorded_audit(run)
-        if recorded is not None and not (shape or args.model or init_args or draws):
+        if recorded is not None and not (inputs or args.model or init_args or draws):
             # The fit's own audit (BiasAudit, on its first batch): nothing to rebuild or guess.
             module = (run.attrs.get(names.ATTR_MODULE) or {}).get("class_path", "?")
             _print_audit(
@@ -828,7 +853,7 @@ def _audit(args: argparse.Namespace) -> int:
             )
             return 0
         model = rebuild_module(run, args.model, init_args, args.trust_recorded_model)
-        if shape is None:
+        if not inputs:
             try:  # the batch GradientPlane stored
                 batch = probe_batch(run)
             except DynamicsError as error:
@@ -839,9 +864,24 @@ def _audit(args: argparse.Namespace) -> int:
         raise DynamicsError("--model and --trust-recorded-model go with a run file")
     else:
         model = build_module(_class_spec(args.target), init_args)
-    if shape is not None:
+    if args.input_json is not None:
+        example, note = _json_input(args.input_json, model)
+    elif args.input_file is not None:
+        from dynamics.analysis.loss_barrier import load_batch
+
+        loaded = load_batch(args.input_file, "--input-file")
+        example, note = _arguments(loaded.batch), f"{args.input_file} (--input-file)"
+    elif shape is not None:
         generator = torch.Generator().manual_seed(0)
         dims = ",".join(map(str, shape))
+        embedding = token_embedding(model) if args.vocab is None else None
+        if embedding is not None:
+            name, table = embedding
+            raise DynamicsError(
+                f"{type(model).__name__} reads token ids (its first module, {name}, is an "
+                f"embedding of {table.num_embeddings} tokens), not N(0, 1) values: pass "
+                f"--vocab {table.num_embeddings} with --input-shape, or --input-json"
+            )
         if args.vocab is not None:
             example = torch.randint(0, args.vocab, shape, generator=generator)
             note = f"token ids from 0..{args.vocab - 1} of shape {dims} (--vocab, seed 0)"
@@ -856,6 +896,48 @@ def _audit(args: argparse.Namespace) -> int:
         result = audit(model, example, input_note=note, **draws)
     _print_audit(args, type(model).__name__, result)
     return 0
+
+
+def _json_input(text: str, model: Any) -> tuple[Any, str]:
+    """``--input-json``: an object of keyword arguments or an array (the one argument), as
+    tensors: integers as int64 (token ids), other numbers in the model's floating dtype."""
+    import torch
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DynamicsError(f"--input-json is not JSON: {error}") from None
+    dtype = next(
+        (p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype()
+    )
+
+    def tensor(name: str, data: Any) -> torch.Tensor:
+        try:
+            found = torch.tensor(data)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise DynamicsError(
+                f"--input-json {name}: not a number or a regular array of numbers ({error})"
+            ) from None
+        return found.to(dtype) if found.is_floating_point() else found
+
+    if isinstance(value, dict) and value:
+        keywords = {key: tensor(key, data) for key, data in value.items()}
+        return _arguments(keywords), f"keyword arguments {', '.join(keywords)} (--input-json)"
+    if isinstance(value, list):
+        return tensor("array", value), "the array of --input-json"
+    raise DynamicsError(f"--input-json must be a JSON object of arguments or an array, got {text}")
+
+
+def _arguments(batch: Any) -> Any:
+    """An example input file's content as the forward's arguments: a dict as keywords, a list
+    or tuple as positional arguments, anything else as the one argument."""
+    from dynamics.batch_tree import ForwardArguments
+
+    if isinstance(batch, dict):
+        return ForwardArguments((), batch)
+    if isinstance(batch, (list, tuple)):
+        return ForwardArguments(tuple(batch))
+    return batch
 
 
 def _print_audit(args: argparse.Namespace, what: str, result: AuditResult) -> None:
