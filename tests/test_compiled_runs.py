@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from dynamics import open_run
 from dynamics.analysis.bias_audit import recorded_audit
+from dynamics.analysis.run_setup import setup_rows
 from dynamics.callbacks import (
     BiasAudit,
     DynamicsRecorder,
@@ -102,6 +103,11 @@ def test_a_compiled_run_is_the_uncompiled_runs_model(runs, form):
     assert compiled.attrs[names.ATTR_SUBMODULES] == plain.attrs[names.ATTR_SUBMODULES]
     assert compiled.attrs[names.ATTR_COMPILED] == (["net"] if form == "submodule" else [""])
     assert plain.attrs[names.ATTR_COMPILED] == []
+    setup = dict(setup_rows(compiled))  # what report and compare show
+    assert setup["torch.compile"] == (
+        "net compiled" if form == "submodule" else "the whole module compiled"
+    )
+    assert dict(setup_rows(plain))["torch.compile"] == "not compiled"
     # Measured, not stepped aside: no event (the audit's was a dynamo dump), and the Hessian's
     # eigenvalues, which need double backward, are the uncompiled model's.
     assert list(compiled.events()) == []
