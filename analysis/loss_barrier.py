@@ -252,11 +252,11 @@ def loss_barriers(
         try:
             theta0, theta_final = _endpoints(run)
             surface, batch_name = surface_of(run, label)
+        except MissingInitArgs as error:  # the user's input to complete: an error
+            raise MissingInitArgs(f"{error} (or --barrier-points 0: no loss barriers)") from None
         except DynamicsError as error:
-            if isinstance(error, MissingInitArgs) or (
-                held_out is not None and isinstance(error, BatchRefused)
-            ):
-                raise  # the user's input (their batch, their init args): an error, not a remark
+            if held_out is not None and isinstance(error, BatchRefused):
+                raise  # the user's batch: an error, not a remark
             remarks.append(f"no loss barrier for {label}: {error}")
             continue
         usable[label] = run

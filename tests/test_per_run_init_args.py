@@ -160,3 +160,4 @@ def test_compare_barriers_use_each_runs_own_args(runs, tmp_path, capsys):
     code, err = cli(capsys, *common, "--overwrite", *per_run(runs, names=("a",)))
     assert code == 2 and err.count("\n") == 1, err
     assert "b.h5: init args label_smoothing, width of Smoothed were not recorded" in err
+    assert err.rstrip().endswith("(or --barrier-points 0: no loss barriers)")
