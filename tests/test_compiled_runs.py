@@ -26,6 +26,7 @@ from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,
     HessianSpectrum,
+    LossChangeSplit,
     ParameterDisplacement,
     TrainingLoss,
 )
@@ -74,6 +75,7 @@ def fit(path, compiled: str) -> object:
         GradientPlane(),
         TrainingLoss(),
         HessianSpectrum(k=2, every_n_steps=1),
+        LossChangeSplit(every_n_steps=1),
         BiasAudit(),
     ]
     pl.Trainer(
@@ -117,6 +119,8 @@ def test_a_compiled_run_is_the_uncompiled_runs_model(runs, form):
     }
     assert eigen[compiled].shape == eigen[plain].shape == (3, 2)
     assert eigen[compiled] == pytest.approx(eigen[plain], rel=1e-5)
+    terms = {r: r.series(names.LOSS_CHANGE).values[names.LOSS_CHANGE_TERMS] for r in runs.values()}
+    assert terms[compiled] == pytest.approx(terms[plain], rel=1e-6, abs=1e-12)
 
 
 def test_each_rebuilds_into_the_other_and_compare_accepts_the_pair(runs, tmp_path, capsys):
