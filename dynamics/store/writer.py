@@ -38,7 +38,7 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any
@@ -388,14 +388,19 @@ class RunWriter:
         path: str | os.PathLike,
         series: Mapping[str, Mapping[str, Any]],
         vectors: Mapping[str, Any],
+        undeclared: Collection[str] | None = None,
     ) -> None:
         """Refuse a file to resume that does not hold every declared series and vector as
-        declared (same names, row shapes and dtypes).
+        declared (same names, row shapes and dtypes), or holds series groups not declared.
 
         A resumed fit appends the rows its probes declare: a group the file lacks would end
-        the fit at the next flush (nothing can be created in a file under SWMR), and rows of
-        another shape or series would mix two measurements in one series. Groups the file
-        holds beyond the declared ones are kept (a probe disabled before the checkpoint).
+        the fit at the next flush (nothing can be created in a file under SWMR), rows of
+        another shape or series would mix two measurements in one series, and a group left
+        undeclared would end at the checkpoint as if its probe had stopped there.
+
+        Args:
+            undeclared: groups the file may hold that are not declared (those of a probe
+                disabled before the checkpoint); None: any.
 
         Raises:
             RunFileError: one line naming each group, series or vector that differs.
@@ -405,6 +410,11 @@ class RunWriter:
         try:
             with h5py.File(path, "r", swmr=True) as file:
                 stored = file.get(SERIES, {})
+                differences += [
+                    f"series group {group!r} (in the file, not declared)"
+                    for group in stored
+                    if group not in series and undeclared is not None and group not in undeclared
+                ]
                 for group, specs in series.items():
                     if group not in stored:
                         differences.append(f"series group {group!r} (not in the file)")
@@ -416,8 +426,8 @@ class RunWriter:
             raise RunFileError(f"cannot resume {path}: {_reason(error)}") from error
         if differences:
             raise RunFileError(
-                f"cannot resume {path}: this fit's probes record what the file holds otherwise, "
-                f"{'; '.join(differences)}; resume with the probes (and settings) of the fit "
+                f"cannot resume {path}: this fit's probes declare what the file does not hold "
+                f"so: {'; '.join(differences)}; resume with the probes (and settings) of the fit "
                 "that wrote it, or record the new ones to a new file"
             )
 
