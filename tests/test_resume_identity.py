@@ -23,7 +23,7 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.experiments import TeacherStudentModule
+from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.store import RunFileError, names
 
 ARCH = dict(width=8, expansion=2, depth=2)
@@ -270,3 +270,34 @@ def test_an_old_file_of_another_theta0_is_refused_by_its_hash(tmp_path, quiet_tr
     shutil.copy(other, path)
     message = refused(quiet_trainer, path, "not the file this checkpoint's fit wrote", ckpt=ckpt)
     assert "another θ0" in message
+
+
+def test_under_ddp_a_refused_resume_stops_every_rank_and_a_right_one_continues(
+    tmp_path, quiet_trainer
+):
+    path = tmp_path / "ddp.h5"
+
+    def ddp_fit(probes, ckpt=None):
+        checkpoint = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+        recorder = DynamicsRecorder(path, probes, flush_interval_s=1e9)
+        trainer = quiet_trainer(
+            max_steps=STEPS,
+            strategy="ddp_fork",
+            devices=2,
+            enable_checkpointing=True,
+            callbacks=[recorder, checkpoint],
+        )
+        data = TeacherStudentData(**ARCH, batch_size=8)
+        trainer.fit(TeacherStudentModule(**ARCH), data, ckpt_path=ckpt)
+
+    ddp_fit([TrainingLoss(), ParameterDisplacement(snapshot_budget_mb=0)])
+    ckpt, before = tmp_path / "ckpt" / "epoch=0-step=3.ckpt", digest(path)
+    # Refused on rank zero at the first batch: the other rank stops too (a worker's error comes
+    # back wrapped by the fork launcher).
+    with pytest.raises(Exception, match=r"series group 'snapshots' \(not in the file\)"):
+        ddp_fit([TrainingLoss(), ParameterDisplacement(snapshot_every_n_steps=2)], ckpt)
+    assert digest(path) == before
+    ddp_fit([TrainingLoss(), ParameterDisplacement(snapshot_budget_mb=0)], ckpt)
+    run = open_run(path)
+    assert run.status().state == names.FINISHED
+    np.testing.assert_array_equal(losses(path)[0], np.arange(STEPS))
