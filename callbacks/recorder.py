@@ -174,12 +174,13 @@ class RecorderBase:
         self._warned: set[tuple[str, str]] = set()  # (probe, note) already shown
         self._edits: list[dict[str, Any]] = []  # what model-editing callbacks did this fit
         self._checkpoint_edits: list[dict[str, Any]] | None = None  # the resumed fit's
-        # The resumed fit's run file: its path, identity and rows per group (None: a
-        # checkpoint from before they were kept).
+        # The run file a checkpoint keeps: the path the checkpoint's fit wrote, and what proves
+        # a file is this run's, as the last writer left it or a checkpoint restored it (None:
+        # no file yet, or a checkpoint from before they were kept).
         self._checkpoint_path: str | None = None
-        self._checkpoint_identity: RunIdentity | None = None
-        self._checkpoint_rows: dict[str, int] | None = None
-        self._checkpoint_groups: dict[str, str] | None = None  # {series group: its probe}
+        self._run_identity: RunIdentity | None = None
+        self._run_rows: dict[str, int] | None = None
+        self._run_groups: dict[str, str] | None = None  # {series group: its probe}
 
     @property
     def state_key(self) -> str:
@@ -325,14 +326,13 @@ class RecorderBase:
         # on disk, or a crash before the next flush would leave a gap on resume.
         if self._writer is not None:
             self._writer.flush()
-        writer = self._writer
-        identity = writer.identity if writer is not None else self._checkpoint_identity
+            self._keep_run_state()
         return {
             "path": os.path.abspath(self.path),
             # What proves, on resume, that a file is this run's and holds its rows.
-            "run": identity.to_dict() if identity is not None else None,
-            "rows": writer.rows if writer is not None else self._checkpoint_rows,
-            "groups": {group: self._owners[group] for group in self._series},
+            "run": self._run_identity.to_dict() if self._run_identity is not None else None,
+            "rows": self._run_rows,
+            "groups": self._run_groups,
             "last_step": self._last_step,
             "last_rows": dict(self._last_rows),
             "disabled": sorted(self._disabled),
@@ -350,9 +350,9 @@ class RecorderBase:
         self._checkpoint_edits = state_dict.get("model_edits")  # None: an older checkpoint
         self._checkpoint_path = state_dict.get("path")
         run = state_dict.get("run")
-        self._checkpoint_identity = RunIdentity.from_dict(run) if run is not None else None
-        self._checkpoint_rows = state_dict.get("rows")
-        self._checkpoint_groups = state_dict.get("groups")
+        self._run_identity = RunIdentity.from_dict(run) if run is not None else None
+        self._run_rows = state_dict.get("rows")
+        self._run_groups = state_dict.get("groups")
         for probe in self._active():
             probe.load_state_dict(state_dict["probes"].get(probe.name, {}))
 
@@ -648,7 +648,7 @@ class RecorderBase:
             self._checkpoint_path, self.path
         )
         wrote = f" (the checkpoint's fit wrote {self._checkpoint_path})" if moved else ""
-        if moved and self._checkpoint_identity is None:
+        if moved and self._run_identity is None:
             raise RunFileError(
                 f"cannot resume {self.path}: the checkpoint's fit wrote "
                 f"{self._checkpoint_path}, and the checkpoint (saved by an older dynamics) "
@@ -657,7 +657,7 @@ class RecorderBase:
             )
         try:
             note = RunWriter.check_resumable(
-                self.path, self._resumed_through(), self._checkpoint_identity, self._checkpoint_rows
+                self.path, self._resumed_through(), self._run_identity, self._run_rows
             )
             self._check_probes()
             if declared:
@@ -667,17 +667,22 @@ class RecorderBase:
         notes = [note] if note is not None else []
         if moved:
             notes.append(
-                f"{self.path} holds {self._checkpoint_identity.describe()} that the checkpoint's "
+                f"{self.path} holds {self._run_identity.describe()} that the checkpoint's "
                 f"fit wrote at {self._checkpoint_path}: the run continues at {self.path}"
             )
         return notes
 
+    def _keep_run_state(self) -> None:
+        """Take from the writer what a checkpoint keeps of the run file."""
+        self._run_identity, self._run_rows = self._writer.identity, self._writer.rows
+        self._run_groups = {group: self._owners[group] for group in self._series}
+
     def _undeclared(self) -> set[str] | None:
         """The file's series groups this resumed fit may leave undeclared: those of probes
         out of the run (None: any, for a checkpoint that did not keep who declared what)."""
-        if self._checkpoint_groups is None:
+        if self._run_groups is None:
             return None
-        return {g for g, probe in self._checkpoint_groups.items() if probe in self._disabled}
+        return {g for g, probe in self._run_groups.items() if probe in self._disabled}
 
     def _check_probes(self) -> None:
         """Refuse a resume whose probes are not those the run file was recorded with: rows of
@@ -717,8 +722,8 @@ class RecorderBase:
         self._last_rows = {}
         self._disabled = set()
         self._armed = None
-        self._checkpoint_path = self._checkpoint_identity = None
-        self._checkpoint_rows = self._checkpoint_groups = None
+        self._checkpoint_path = self._run_identity = None
+        self._run_rows = self._run_groups = None
 
     def _close(self, trainer: pl.Trainer, state: str, exception: str = "") -> None:
         if self._started:
@@ -730,11 +735,12 @@ class RecorderBase:
                     self._event(trainer, trainer.global_step, probe, names.EVENT_ERROR, message)
         self._started = False
         self._armed = None
-        self._series, self._shapes, self._vectors, self._owners = {}, {}, {}, {}
         self._unwritten_events = []  # a fit that ended before its file existed
         if self._writer is not None:
             self._writer.close(state, exception)
+            self._keep_run_state()  # for a checkpoint saved after the fit
             self._writer = None
+        self._series, self._shapes, self._vectors, self._owners = {}, {}, {}, {}
         if self._lock is not None:  # the fit ended before its file was created
             self._lock.release()
             self._lock = None

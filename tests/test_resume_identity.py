@@ -301,3 +301,24 @@ def test_under_ddp_a_refused_resume_stops_every_rank_and_a_right_one_continues(
     run = open_run(path)
     assert run.status().state == names.FINISHED
     np.testing.assert_array_equal(losses(path)[0], np.arange(STEPS))
+
+
+def test_a_checkpoint_saved_after_the_fit_keeps_the_files_identity(tmp_path, quiet_trainer):
+    path = tmp_path / "run.h5"
+    recorder = DynamicsRecorder(path, [TrainingLoss(), ParameterDisplacement()])
+    trainer = quiet_trainer(max_steps=3, callbacks=[recorder])
+    trainer.fit(TeacherStudentModule(**ARCH), FULL_BATCH)
+    trainer.save_checkpoint(tmp_path / "end.ckpt")  # after the writer closed
+    (state,) = [
+        s
+        for k, s in torch.load(tmp_path / "end.ckpt", weights_only=True)["callbacks"].items()
+        if k.startswith("DynamicsRecorder")
+    ]
+    assert state["run"]["run_id"] == open_run(path).attrs[names.ATTR_RUN_ID]
+    assert state["rows"]["loss"] == 3 and state["groups"]["displacement"] == "displacement"
+    other = tmp_path / "other.h5"
+    fit(quiet_trainer, other)  # same θ0, another run
+    shutil.copy(other, path)
+    refused(
+        quiet_trainer, path, "not the file this checkpoint's fit wrote", ckpt=tmp_path / "end.ckpt"
+    )
