@@ -322,3 +322,13 @@ def test_a_checkpoint_saved_after_the_fit_keeps_the_files_identity(tmp_path, qui
     refused(
         quiet_trainer, path, "not the file this checkpoint's fit wrote", ckpt=tmp_path / "end.ckpt"
     )
+
+
+def test_the_runs_own_file_missing_a_row_before_the_checkpoint_is_refused(tmp_path, quiet_trainer):
+    path, ckpt = recorded_run(quiet_trainer, tmp_path)
+    with h5py.File(path, "r+") as file:  # drop the row of step 1: steps 0, 2, 3, 4, 5
+        for dataset in file["series/loss"].values():
+            values = np.delete(dataset[:], 1, axis=0)
+            dataset.resize(len(values), axis=0)
+            dataset[:] = values
+    refused(quiet_trainer, path, r"holds 2 rows of 'loss' through step 2, .* counted 3", ckpt=ckpt)

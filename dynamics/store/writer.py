@@ -349,25 +349,7 @@ class RunWriter:
                     f"{path} is not the file this checkpoint's fit wrote: {mismatch} "
                     "(replaced by another run after the checkpoint?)"
                 )
-            for group, step in through_steps.items():
-                if group == names.EVENTS or step == UNWRITTEN_STEP:
-                    continue
-                recorded = run.recorded(group)
-                steps = np.array([], dtype=np.int64) if recorded is None else recorded.step
-                if step not in steps:
-                    last = f"rows through step {steps[-1]}" if len(steps) else "no row"
-                    raise RunFileError(
-                        f"{path} holds {last} of {group!r}, but the checkpoint counts its rows "
-                        f"through step {step} as written: not the file this checkpoint's fit "
-                        "wrote, or one that lost rows"
-                    )
-                kept = int(np.count_nonzero(steps <= step))
-                if rows is not None and group in rows and kept != rows[group]:
-                    raise RunFileError(
-                        f"{path} holds {kept} rows of {group!r} through step {step}, but the "
-                        f"checkpoint counted {rows[group]}: not the file this checkpoint's fit "
-                        "wrote, or one whose rows changed"
-                    )
+            _check_rows(path, through_steps, rows)
         except RunFileError as error:
             raise RunFileError(f"cannot resume: {error}") from error
         if identity is None:
@@ -635,6 +617,38 @@ def _copy_file_through(path: Path, staging: Path, through_steps: Mapping[str, in
             wall_time_s=_scalar(status, names.STATUS_WALL_TIME, 0.0),
             last_step=last_step,
         )
+
+
+def _check_rows(
+    path: Path, through_steps: Mapping[str, int], rows: Mapping[str, int] | None
+) -> None:
+    """Refuse a file lacking the row of a group at its step of ``through_steps``, or holding
+    other than ``rows[group]`` rows through it. Reads the steps only: a snapshot group's
+    values can be gigabytes."""
+    try:
+        with h5py.File(path, "r", swmr=True) as file:
+            stored = file.get(SERIES, {})
+            for group, step in through_steps.items():
+                if group == names.EVENTS or step == UNWRITTEN_STEP:
+                    continue
+                steps = stored[group][STEP][:] if group in stored else np.array([], np.int64)
+                valid = steps[steps != UNWRITTEN_STEP]
+                kept = _rows_through(stored[group], step) if len(valid) else 0
+                if not kept or steps[kept - 1] != step:
+                    last = f"rows through step {valid[-1]}" if len(valid) else "no row"
+                    raise RunFileError(
+                        f"{path} holds {last} of {group!r}, but the checkpoint counts its rows "
+                        f"through step {step} as written: not the file this checkpoint's fit "
+                        "wrote, or one that lost rows"
+                    )
+                if rows is not None and group in rows and kept != rows[group]:
+                    raise RunFileError(
+                        f"{path} holds {kept} rows of {group!r} through step {step}, but the "
+                        f"checkpoint counted {rows[group]}: not the file this checkpoint's fit "
+                        "wrote, or one whose rows changed"
+                    )
+    except OSError as error:
+        raise RunFileError(f"{path}: {_reason(error)}") from error
 
 
 def _differences(
