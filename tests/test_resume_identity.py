@@ -50,7 +50,9 @@ def fit(
         callbacks.append(DynamicsRecorder(path, probes, flush_interval_s=1e9, **recorder))
     if checkpoints is not None:
         callbacks.append(ModelCheckpoint(checkpoints, every_n_train_steps=3, save_top_k=-1))
-    trainer = quiet_trainer(max_steps=STEPS, enable_checkpointing=True, callbacks=callbacks)
+    trainer = quiet_trainer(
+        max_steps=STEPS, enable_checkpointing=checkpoints is not None, callbacks=callbacks
+    )
     trainer.fit(TeacherStudentModule(**ARCH, seed=seed), FULL_BATCH, ckpt_path=ckpt)
 
 
