@@ -16,8 +16,9 @@ batch, and each point the buffers (BatchNorm statistics) of the stored state of 
 nearest to it (:mod:`dynamics.nearest_buffers`), so each end is evaluated with its own run's
 final buffers; it is drawn only for runs whose recorded models agree in class, model edits and
 submodules (a shifted and an unshifted network are two loss functions: no line joins them in
-one). A run whose model cannot be rebuilt, or that stores no probe batch, θ0 or θT,
-gets a one-line remark instead of its lines; the comparison goes on.
+one). A run whose model cannot be rebuilt, that stores no probe batch, θ0 or θT, or whose
+training diverged (θT not finite), gets a one-line remark instead of its lines; the comparison
+goes on.
 
 A held-out batch (:func:`load_batch`, from a file ``torch.save`` wrote) replaces the probe
 batches on every line, and then no probe batch is needed; a rebuilt model that cannot take it
@@ -438,5 +439,9 @@ def _endpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:
     if theta0 is None or theta_final is None:
         raise DynamicsError(
             f"{run.path.name} stores no θ0 or θT (ParameterDisplacement records them)"
+        )
+    if not np.isfinite(theta_final).all():  # what a diverged training left: no line ends there
+        raise DynamicsError(
+            f"{run.path.name} diverged at step {run.diverged_at}: its θT is not finite"
         )
     return theta0, theta_final

@@ -503,6 +503,8 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     print(f"{summary['path']}  (run {summary['run_name']}, schema v{summary['schema_version']})")
     print(f"  status {_status_line(summary['status'])}")
+    if summary["diverged_at"] is not None:
+        print(f"  diverged at step {summary['diverged_at']}: its loss or parameters not finite")
     for event in summary["events"]:
         print(f"  event  step {event['step']} {event['probe']} {event['kind']}: {event['message']}")
     for group, info in summary["series"].items():
