@@ -197,3 +197,21 @@ def test_a_nan_loss_while_the_parameters_stay_finite_is_no_divergence(runs, tmp_
     run = open_run(_edited(runs["ok"], tmp_path, series__loss__train=last_nan))
     assert run.diverged_at is None
     assert np.isfinite(run.vector(names.THETA_FINAL)).all()
+
+
+def test_no_point_takes_the_buffers_of_a_diverged_state(tmp_path, quiet_trainer, small_cnn):
+    from dynamics.nearest_buffers import NearestBuffers
+
+    torch.manual_seed(0)
+    module = small_cnn(lr=1e6)  # BatchNorm: every stored state has buffers
+    path = _record(tmp_path / "cnn.h5", quiet_trainer, module, probes=[ParameterDisplacement()])
+    run = open_run(path)
+    assert run.diverged_at is not None
+    states = run.stored_states()
+    assert not np.isfinite(states[-1].theta).all()
+    nearest = NearestBuffers.of_run(run, small_cnn())
+    # θ0 is its own nearest state; a NaN distance would have won argmin.
+    assert nearest.nearest(torch.from_numpy(states[0].theta)) == 0
+    finite = [s for s in states if np.isfinite(s.theta).all()]
+    far = torch.from_numpy(finite[-1].theta) * 10
+    assert nearest.nearest(far) < len(finite)
