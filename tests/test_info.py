@@ -70,7 +70,10 @@ def test_info_reads_steps_and_shapes_only(gigabyte_run, monkeypatch, capsys):
     assert loss["series"] == {names.LOSS_TRAIN: []}
     # No value dataset is read, only step indexes (and the small status and event datasets),
     # but for the scalar series that say whether the run diverged.
-    divergence = {f"/series/{names.LOSS}/{names.LOSS_TRAIN}"}
+    divergence = {
+        f"/series/{names.LOSS}/{names.LOSS_TRAIN}",
+        f"/series/{names.DISPLACEMENT}/{names.DISPLACEMENT_TOTAL}",
+    }
     values = [name for name in read if name.startswith("/series/") and "/step" not in name]
     assert set(values) <= divergence
     assert f"/series/{names.SNAPSHOTS}/step" in read
