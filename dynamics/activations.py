@@ -6,6 +6,7 @@ the adaptive form, each forward's mean across the neuron dimension.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import cache
 
@@ -24,6 +25,56 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tanh": torch.tanh,
 }
 SHIFTS = ("none", "expected", "adaptive")
+
+
+def _gelu_tanh(z: torch.Tensor) -> torch.Tensor:
+    # GPT-2's "gelu_new": the tanh approximation, written as transformers writes it.
+    return 0.5 * z * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
+
+
+def _gelu_fast(z: torch.Tensor) -> torch.Tensor:
+    return 0.5 * z * (1.0 + torch.tanh(z * 0.7978845608 * (1.0 + 0.044715 * z * z)))
+
+
+def _laplace(z: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1.0 + torch.erf((z - 0.707107) / (0.282095 * math.sqrt(2.0))))
+
+
+#: The activation modules of Hugging Face ``transformers.activations``, by class name: each one's
+#: φ as a float64 function of the module (for its settings, such as ClippedGELU's bounds), or
+#: None where φ is learned (xIELU). Written out here, from transformers' own formulas, so that
+#: the core recognises them without importing transformers (a dev dependency only).
+#: ``LinearActivation`` (the identity, "no activation") is left out: it is no nonlinearity.
+HF_ACTIVATIONS: dict[str, Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor] | None]] = {
+    "GELUActivation": lambda m: F.gelu,
+    "NewGELUActivation": lambda m: _gelu_tanh,
+    "GELUTanh": lambda m: _gelu_tanh,
+    "PytorchGELUTanh": lambda m: _gelu_tanh,
+    "AccurateGELUActivation": lambda m: _gelu_tanh,
+    "FastGELUActivation": lambda m: _gelu_fast,
+    "QuickGELUActivation": lambda m: lambda z: z * torch.sigmoid(1.702 * z),
+    "ClippedGELUActivation": lambda m: lambda z: torch.clip(F.gelu(z), m.min, m.max),
+    "SiLUActivation": lambda m: F.silu,
+    "MishActivation": lambda m: lambda z: z * torch.tanh(F.softplus(z)),
+    "LaplaceActivation": lambda m: _laplace,
+    "ReLUSquaredActivation": lambda m: lambda z: F.relu(z).square(),
+    "SqrtSoftplusActivation": lambda m: lambda z: F.softplus(z).sqrt(),
+    "XIELUActivation": lambda m: None,
+}
+
+
+def is_hf_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is one of transformers' activation modules (by class name and module,
+    so that a user's own class of the same name elsewhere is not taken for it)."""
+    cls = type(module)
+    return cls.__module__.split(".")[0] == "transformers" and cls.__name__ in HF_ACTIVATIONS
+
+
+def hf_activation_phi(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The elementwise φ of a transformers activation module, or None (not one, or learned)."""
+    return HF_ACTIVATIONS[type(module).__name__](module) if is_hf_activation(module) else None
+
+
 #: Nodes of the folded rule; 100 reaches ~1e-13 for every activation above, and numpy's
 #: Laguerre weights overflow past ~180.
 _QUADRATURE_NODES = 100
@@ -140,3 +191,15 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; choose from {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def known_phi(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The fixed elementwise φ of an activation module, for its expected shift E[φ(z)]:
+    transformers' by :data:`HF_ACTIVATIONS`, torch's parameter-free ones (the module itself);
+    None for learned (PReLU, xIELU), shifted or unknown modules."""
+    if is_hf_activation(module):
+        return hf_activation_phi(module)
+    torch_activation = type(module).__module__ == "torch.nn.modules.activation"
+    if torch_activation and not any(True for _ in module.parameters()):
+        return module
+    return None
