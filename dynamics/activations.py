@@ -195,11 +195,12 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def known_phi(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The fixed elementwise φ of an activation module, for its expected shift E[φ(z)]:
-    transformers' by :data:`HF_ACTIVATIONS`, torch's parameter-free ones (the module itself);
-    None for learned (PReLU, xIELU), shifted or unknown modules."""
+    transformers' by :data:`HF_ACTIVATIONS`, torch's parameter-free ones (the module's own
+    ``forward``, not its ``__call__``: the quadrature must not fire the module's hooks); None
+    for learned (PReLU, xIELU), shifted or unknown modules."""
     if is_hf_activation(module):
         return hf_activation_phi(module)
     torch_activation = type(module).__module__ == "torch.nn.modules.activation"
     if torch_activation and not any(True for _ in module.parameters()):
-        return module
+        return module.forward
     return None
