@@ -21,9 +21,8 @@ from dynamics import world
 from dynamics.activations import (
     ACTIVATIONS,
     ShiftedActivation,
-    expected_value,
+    expected_shift,
     is_hf_activation,
-    known_phi,
 )
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec
 from dynamics.callbacks.unit_health import (
@@ -304,9 +303,9 @@ class HiddenStateNorms(Probe):
             },
             "found": {n: type(named[n]).__name__ for n in activation_layers},
             "expected_shift": {
-                n: expected_value(phi)
+                n: shift
                 for n in activation_layers
-                if (phi := known_phi(named[n])) is not None
+                if (shift := expected_shift(named[n])) is not None
             },
             "unit_axes": {
                 n: {"feature_dim": a.dim, "rule": a.rule} for n, a in self._unit_axes.items()
