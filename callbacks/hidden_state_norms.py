@@ -100,9 +100,35 @@ class HiddenStateNorms(Probe):
     """Mean L2 norm of chosen modules' outputs, and the activation bias of activation modules.
 
     Per chosen module and due step: the L2 norm of the output over its feature axis, averaged
-    over every other axis (batch, tokens, spatial positions) and over every call in the step
-    (gradient accumulation). Per activation module: the mean of its output across neurons,
-    averaged likewise — the paper's activation bias.
+    over every other axis (batch, tokens, spatial positions) and over the step's micro-batches
+    (gradient accumulation) as one mean over all their positions. Per activation module: the
+    mean of its output across neurons, averaged likewise — the paper's activation bias.
+
+    **Calls.** A module called more than once per forward (one ``nn.ReLU`` shared by several
+    layers, an LSTM model's one ``self.drop`` on the embedding and on the output) gets one
+    column per call, ``drop#0``, ``drop#1``, ... in call order: the calls are counted at setup by
+    one loss pass on the first batch (:mod:`dynamics.loss_rule`, train mode, gradients off,
+    inside :func:`~dynamics.isolation.side_effect_free`), since columns are declared before
+    recording starts. A module later called another number of times (a data-dependent loop),
+    or called twice where the calls could not be counted (no loss rule), is refused: its
+    columns read NaN from then on, with a warning event saying why. Calls are never averaged.
+
+    **Padding.** ``mask`` picks the real positions: by default ``batch["attention_mask"]`` of a
+    dict batch (Hugging Face's), a callable ``mask(batch) -> bool tensor`` of your own, or
+    ``False`` for every position. Norms, activation biases, non-finite and unit fractions then
+    run over real positions only: an output's positions (its axes but the feature axis) must
+    start with the mask's (batch, positions) shape, or have no positions beyond the batch
+    (a pooled output); another output is refused as above. The rule used is stored in the run
+    file (``settings()["mask"]``) and named in the views' titles. Unit health needs the mask
+    during the forward, which under gradient accumulation is known for the first micro-batch
+    only: later micro-batches record NaN there, with a warning event.
+
+    **Ranks.** Under DDP the default ``reduce="global"`` records the global batch: each rank's
+    sums and counts of positions (and, for unit health, per-unit extremes) are added up across
+    ranks in one collective per series kind and due step, through :mod:`dynamics.world`, with
+    no host sync; ``reduce="rank0"`` records rank zero's micro-batches alone. A module with an
+    axis problem on any rank is refused (NaN on every rank) rather than the probe disabled on
+    one rank, which would leave the others waiting in the next collective.
 
     **Module choice**, when neither ``modules`` nor ``types`` is given: the residual blocks, found
     as the longest ``ModuleList``/``Sequential`` whose children all share one class (a
@@ -139,8 +165,10 @@ class HiddenStateNorms(Probe):
     rather than record a norm over the wrong axis. The axis and rule of every module are stored in
     the run file (``settings()``).
 
-    **Activations**: the built-in classes (``ACTIVATION_TYPES``, and classes named after
-    ``dynamics.activations.ACTIVATIONS``) plus any module the user marks by class
+    **Activations**: the built-in classes (``ACTIVATION_TYPES``, classes named after
+    ``dynamics.activations.ACTIVATIONS``, and Hugging Face's activation modules,
+    ``dynamics.activations.HF_ACTIVATIONS``, with their expected shift E[φ(z)] stored) plus any
+    module the user marks by class
     (``activation_types``) or name pattern (``activation_modules``), e.g. a hand-written
     ``CenteredGELU(nn.Module)``. Functional calls (``F.gelu(x)`` inside a ``forward``) have no
     module to hook and are not seen. Which modules were found, and the classes of all the
@@ -170,6 +198,9 @@ class HiddenStateNorms(Probe):
         activation_types: further module classes whose output is a post-activation.
         activation_modules: name patterns of further activation modules.
         unit_health: also record dead, saturated and non-finite fractions.
+        mask: the real positions: None (``attention_mask`` of a dict batch), a callable
+            ``(batch) -> bool tensor``, or False (every position).
+        reduce: ``"global"`` (every rank's batch) or ``"rank0"``.
         every_n_steps: recording period in optimizer steps.
     """
 
