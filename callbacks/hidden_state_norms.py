@@ -252,7 +252,9 @@ class HiddenStateNorms(Probe):
         self._bias_axes: dict[str, _Axis] = {}
         self._report: dict[str, Any] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._steps = _StepValues()
+        self._series_columns: dict[str, tuple[str, ...]] = {}  # per-position series: columns
+        self._device = torch.device("cpu")
+        self._steps = _StepValues({})
         self._extremes: dict[str, list[torch.Tensor]] = {}  # unit column -> per-unit extremes
         self._calls_now: dict[str, int] = {}  # calls of each module in this micro-batch
         self._hook_mask: torch.Tensor | None = None
@@ -323,7 +325,15 @@ class HiddenStateNorms(Probe):
         self._calls_now = dict.fromkeys(hooked, 0)
         self._mask_rule = _mask_rule(self.mask, batch)
         self._refused = {}
-        self._steps = _StepValues()
+        self._device = _device(pl_module)
+        health = self._health_columns() if self.unit_health else {}
+        series_columns = {
+            NORM: self._columns_of(self.layers),
+            BIAS: self._columns_of(self.activation_layers),
+            NONFINITE: health.get(names.UNIT_NONFINITE, ()),
+        }
+        self._series_columns = {s: c for s, c in series_columns.items() if c}
+        self._steps = _StepValues(self._series_columns)
         for layer in hooked:
             hook = self._hook(layer, axes.get(layer), layer in activation_layers)
             self._handles.append(named[layer].register_forward_hook(hook))
@@ -344,7 +354,7 @@ class HiddenStateNorms(Probe):
             "looked_at": dict(Counter(type(m).__name__ for m in named.values()).most_common()),
         }
         self._announce_activations(len(named))
-        self._check_ranks_agree(_device(pl_module))
+        self._check_ranks_agree(self._device)
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         """The norm and bias series of the modules setup chose; empty before setup."""
@@ -410,7 +420,7 @@ class HiddenStateNorms(Probe):
         }
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
-        self._steps = _StepValues()
+        self._steps.clear()
         for extremes in self._extremes.values():
             extremes.clear()
         self._calls_now = dict.fromkeys(self._calls_now, 0)
@@ -450,29 +460,30 @@ class HiddenStateNorms(Probe):
         # its columns NaN on every rank.
         for layer, why in self._problems.items():
             self._refuse(layer, f"{why} (set feature_dims={{name pattern: axis}})")
-        device = _device(pl_module)
-        health = self._health_columns() if self.unit_health else {}
-        per_series = {
-            NORM: self._columns_of(self.layers),
-            BIAS: self._columns_of(self.activation_layers),
-            NONFINITE: health.get(names.UNIT_NONFINITE, ()),
-        }
-        totals = [
-            self._refused_as_nan(self._steps.totals(s, c, device), c) for s, c in per_series.items()
-        ]
+        device, per_series = self._device, self._series_columns
         unit_columns = self._columns_of(self.unit_kinds)
         extremes = [self._unit_extremes(c, device) for c in unit_columns]
-        if self.reduce == "global":
+        if global_:  # one collective for every series' sums and counts, one for the extremes
+            columns = list(per_series.values())
+            totals = [
+                self._refused_as_nan(self._steps.totals(s, c, device), c)
+                for s, c in per_series.items()
+            ]
             totals = world.all_reduce(totals)
+            means = dict(zip(per_series, (_ratio(t, c) for t, c in zip(totals, columns))))
             if extremes:
                 extremes = world.all_reduce(extremes, "max")
-        norms, biases, nonfinite = (
-            _ratio(t, columns) for t, columns in zip(totals, per_series.values())
-        )
+        else:
+            means = {
+                s: self._refused_as_nan(self._steps.means(s, c, device), c)
+                for s, c in per_series.items()
+            }
+        norms, biases, nonfinite = (means.get(s) for s in (NORM, BIAS, NONFINITE))
         rows: Rows = {names.HIDDEN_NORMS: {names.HIDDEN_NORM: norms}}
         if self.activation_layers:
             rows[names.ACTIVATION_BIAS] = {names.ACTIVATION_MEAN: biases}
         if self.unit_health:
+            health = self._health_columns()
             fractions = dict(zip(unit_columns, self._unit_fractions(unit_columns, extremes)))
             values = {names.UNIT_NONFINITE: dict(zip(health[names.UNIT_NONFINITE], nonfinite))}
             for series in (names.UNIT_DEAD, names.UNIT_SATURATED):
@@ -490,13 +501,16 @@ class HiddenStateNorms(Probe):
     def _owner(self, column: str) -> str:
         return column.rpartition("#")[0] if column not in self._columns else column
 
-    def _refused_as_nan(self, totals: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
-        """``totals`` with the sums of refused modules' columns NaN (before any reduction, so
-        that a module refused on one rank reads NaN on all)."""
+    def _refused_as_nan(self, values: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
+        """``values`` (means, or sums then counts) with refused modules' columns NaN; sums are
+        made NaN before the reduction, so that a module refused on one rank reads NaN on all."""
+        if not self._refused:
+            return values
         refused = [i for i, c in enumerate(columns) if self._owner(c) in self._refused]
         if refused:
-            totals[refused] = float("nan")
-        return totals
+            values = values.clone()
+            values[refused] = float("nan")
+        return values
 
     def _masked_view(self, view):
         """The view, labelled with the positions it averages over when a mask selects them."""
@@ -708,13 +722,13 @@ class HiddenStateNorms(Probe):
             feature_dim = axis.dim if axis is not None else _bias_dim(hidden, bias_axis)
             if axis is not None:
                 norms = torch.linalg.vector_norm(hidden, dim=axis.dim, dtype=torch.float32)
-                self._steps.add(NORM, column, norms)
+                self._steps.pending[NORM][column].append(norms)
             if activation:
-                self._steps.add(
-                    BIAS, column, _per_position_mean(hidden, _bias_dim(hidden, bias_axis))
-                )
+                bias = _per_position_mean(hidden, _bias_dim(hidden, bias_axis))
+                self._steps.pending[BIAS][column].append(bias)
             if nonfinite:
-                self._steps.add(NONFINITE, column, nonfinite_per_position(hidden, feature_dim))
+                flags = nonfinite_per_position(hidden, feature_dim)
+                self._steps.pending[NONFINITE][column].append(flags)
             if units:
                 self._record_units(layer, column, hidden)
 
@@ -846,14 +860,19 @@ class _StepValues:
     column: those of the micro-batch in flight, and those of the micro-batches closed, as
     sums and counts over their real positions."""
 
-    def __init__(self) -> None:
-        self.pending: dict[str, dict[str, list[torch.Tensor]]] = {}
-        # Closed without a mask: kept whole, so the usual step is one stack and one sum.
-        self.unmasked: dict[str, dict[str, list[torch.Tensor]]] = {}
+    def __init__(self, columns: Mapping[str, Sequence[str]]) -> None:
+        # One list per series and column for the whole fit, emptied at each due step: the
+        # hooks append without building anything.
+        self.pending = {s: {c: [] for c in cs} for s, cs in columns.items()}
+        # Closed without a mask: kept whole, so the usual step is one stack and one mean.
+        self.unmasked = {s: {c: [] for c in cs} for s, cs in columns.items()}
         self.masked: dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
-    def add(self, series: str, column: str, value: torch.Tensor) -> None:
-        self.pending.setdefault(series, {}).setdefault(column, []).append(value)
+    def clear(self) -> None:
+        for lists in (*self.pending.values(), *self.unmasked.values()):
+            for values in lists.values():
+                values.clear()
+        self.masked = {}
 
     def close(self, mask: torch.Tensor | None) -> dict[str, str]:
         """Close the micro-batch with its mask of real positions (None: all); the columns
@@ -861,47 +880,49 @@ class _StepValues:
         problems: dict[str, str] = {}
         for series, columns in self.pending.items():
             for column, values in columns.items():
+                if mask is None:
+                    self.unmasked[series][column].extend(values)
+                    values.clear()
+                    continue
                 for value in values:
-                    weights = None if mask is None else position_weights(value.shape, mask)
+                    weights = position_weights(value.shape, mask)
                     if isinstance(weights, str):
                         problems[column] = weights
                     elif weights is None:
-                        self.unmasked.setdefault(series, {}).setdefault(column, []).append(value)
+                        self.unmasked[series][column].append(value)
                     else:
                         kept = torch.where(weights, value, 0).sum(dtype=torch.float32)
                         count = weights.sum(dtype=torch.float32) * (value.numel() / weights.numel())
                         self.masked.setdefault(series, {}).setdefault(column, []).append(
                             (kept, count)
                         )
-        self.pending = {}
+                values.clear()
         return problems
+
+    def means(self, series: str, columns: Sequence[str], device: torch.device) -> torch.Tensor:
+        """Each column's mean over its real positions (NaN for a column without values)."""
+        calls = [self.unmasked.get(series, {}).get(c, ()) for c in columns]
+        if series not in self.masked and all(len(c) == 1 for c in calls):
+            shape = calls[0][0].shape
+            if all(c[0].shape == shape for c in calls):  # the usual step: one op per series
+                stacked = torch.stack([c[0] for c in calls])
+                # Norms of 1-D outputs are scalars already (a mean over no dims would reduce
+                # them all). (An int dim costs half what a tuple of dims does.)
+                return stacked.flatten(1).mean(dim=1) if stacked.dim() > 1 else stacked
+        return _ratio(self.totals(series, columns, device), columns)
 
     def totals(self, series: str, columns: Sequence[str], device: torch.device) -> torch.Tensor:
         """Each column's sum, then each column's count: one (2 × columns,) float32 tensor."""
         unmasked, masked = self.unmasked.get(series, {}), self.masked.get(series, {})
-        calls = [unmasked.get(c, ()) for c in columns]
-        if not masked and calls and all(len(c) == 1 for c in calls):
-            shape = calls[0][0].shape
-            if all(c[0].shape == shape for c in calls):  # the usual step: one op per series
-                stacked = torch.stack([c[0] for c in calls])
-                sums = stacked.flatten(1).sum(dim=1) if stacked.dim() > 1 else stacked
-                counts = torch.full_like(sums, float(max(calls[0][0].numel(), 1)))
-                return torch.cat([sums.float(), counts.float()])
         sums, counts = [], []
         zero = torch.zeros((), device=device)
-        for column, whole in zip(columns, calls):
-            parts = masked.get(column, ())
+        for column in columns:
+            whole, parts = unmasked.get(column, ()), masked.get(column, ())
             sums.append(
                 sum([v.sum(dtype=torch.float32) for v in whole] + [s for s, _ in parts], zero)
             )
-            counts.append(
-                sum([float(v.numel()) for v in whole], zero) + sum([c for _, c in parts], zero)
-            )
-        return (
-            torch.cat([torch.stack(sums).float(), torch.stack(counts).float()])
-            if columns
-            else zero.new_zeros(0)
-        )
+            counts.append(sum([c for _, c in parts], zero) + float(sum(v.numel() for v in whole)))
+        return torch.cat([torch.stack(sums), torch.stack(counts)]).float()
 
 
 def position_weights(shape: torch.Size, mask: torch.Tensor) -> torch.Tensor | None | str:
