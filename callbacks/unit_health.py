@@ -89,13 +89,6 @@ def unit_kind(module: nn.Module) -> UnitKind | None:
     return None
 
 
-def nonfinite_fraction(output: torch.Tensor) -> torch.Tensor:
-    """The fraction of ``output``'s entries that are NaN or ±inf, as a 0-d float32 tensor."""
-    # x − x is +0 for every finite x and NaN for NaN and ±inf; the NaNs become ones.
-    flags = (output - output).nan_to_num_(nan=1.0)
-    return flags.sum(dtype=torch.float32).div_(max(output.numel(), 1))
-
-
 def unit_fraction(output: torch.Tensor, kind: UnitKind, unit_dim: int) -> torch.Tensor:
     """The fraction of units (entries along ``unit_dim``) dead or saturated over every other
     axis of ``output`` (the batch, positions), as a 0-d float32 tensor."""
