@@ -184,8 +184,8 @@ def _summary_html(
         (
             label,
             run.config.get("variant"),
-            *_final_and_best(run.train_loss()),
-            *_final_and_best(run.heldout_loss()),
+            *_final_and_best(run.train_loss(), run.diverged_at),
+            *_final_and_best(run.heldout_loss(), run.diverged_at),
             _overshoot_summary(report),
         )
         for label, run, report in zip(labels, runs, overshoots)
@@ -206,7 +206,7 @@ def _summary_html(
         pairs.append(
             (
                 f"{label} vs {labels[0]}",
-                *_crossover_cells(result),
+                *_diverged_crossover(_crossover_cells(result), (runs[0], run), (labels[0], label)),
                 *(_ratio_cells(ratio) if ratio is not None else ("not recorded",) * 3),
                 *displacement_cells(geometry),
             )
@@ -431,15 +431,37 @@ def _ratio_figure(runs: list[Run], labels: list[str], colors: list[str]) -> go.F
     return figure
 
 
-def _final_and_best(metric: Metric | None) -> tuple[str, str]:
+def _final_and_best(metric: Metric | None, diverged_at: int | None) -> tuple[str, str]:
+    """The final and best smoothed loss; a diverged run has no final loss, and its best is of
+    the finite losses before it diverged."""
     if metric is None:
         return "not recorded", "not recorded"
     steps, values = finite(metric.step, metric.values)
+    if diverged_at is not None:
+        steps, values = steps[steps < diverged_at], values[steps < diverged_at]
+    final = None if diverged_at is None else f"diverged at step {diverged_at}"
     if not len(values):
-        return "no finite value", "no finite value"
+        return final or "no finite value", "no finite value"
     smoothed = smooth(values)
     best = int(np.argmin(smoothed))
-    return f"{smoothed[-1]:.5g}", f"{smoothed[best]:.5g} ({steps[best]:g})"
+    return final or f"{smoothed[-1]:.5g}", f"{smoothed[best]:.5g} ({steps[best]:g})"
+
+
+def _diverged_crossover(
+    cells: tuple[str, ...], runs: tuple[Run, Run], labels: tuple[str, str]
+) -> tuple[str, ...]:
+    """The crossover cells of a pair in which a run diverged: compared on the finite losses
+    only, and the run that did not diverge ends ahead (by no finite gap)."""
+    diverged = [
+        f"{label} diverged at step {run.diverged_at}"
+        for run, label in zip(runs, labels)
+        if run.diverged_at is not None
+    ]
+    if not diverged or cells[1:] == ("—",) * 4:
+        return cells
+    others = [label for run, label in zip(runs, labels) if run.diverged_at is None]
+    winner = others[0] if others else "neither (both diverged)"
+    return (f"{cells[0]}, finite values", cells[1], cells[2], winner, "; ".join(diverged))
 
 
 def _overshoot_summary(report: OvershootReport | None) -> str:

@@ -16,13 +16,15 @@ batch, and each point the buffers (BatchNorm statistics) of the stored state of 
 nearest to it (:mod:`dynamics.nearest_buffers`), so each end is evaluated with its own run's
 final buffers; it is drawn only for runs whose recorded models agree in class, model edits and
 submodules (a shifted and an unshifted network are two loss functions: no line joins them in
-one). A run whose model cannot be rebuilt, or that stores no probe batch, θ0 or θT,
-gets a one-line remark instead of its lines; the comparison goes on.
+one). A run whose model cannot be rebuilt, that stores no probe batch, θ0 or θT, or whose
+training diverged (θT not finite), gets a one-line remark instead of its lines; the comparison
+goes on.
 
 A held-out batch (:func:`load_batch`, from a file ``torch.save`` wrote) replaces the probe
 batches on every line, and then no probe batch is needed; a rebuilt model that cannot take it
 is an error, not a remark, since the batch is the user's input. The table names each line's
-batch with its size.
+batch with its size. Its size is checked before it is loaded, from what the file declares (a
+few compressed bytes can declare gigabytes), against a bound tied to the runs' probe batches.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import html
 import os
 import pickle
 import re
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,7 @@ from dynamics.analysis.comparison import NOT_RECORDED, SAME, comparability
 from dynamics.analysis.figures import Curve, line_figure, run_colors
 from dynamics.analysis.page import figure_html, html_table
 from dynamics.errors import DynamicsError, one_line
+from dynamics.memory import available_bytes
 from dynamics.store import Run, names
 
 if TYPE_CHECKING:
@@ -51,6 +55,10 @@ if TYPE_CHECKING:
 
 #: Points evaluated along each line, the ends included (α = 0, 0.05, ..., 1).
 POINTS = 21
+#: A held-out batch may hold this many times the bytes of the runs' largest probe batch ...
+HELD_OUT_PER_PROBE_BATCH = 1024
+#: ... and at least this many bytes (a run's probe batch can be a handful of samples).
+HELD_OUT_MIN_BOUND = 64 * 2**20
 #: The comparability checks two runs must agree in for the reference's model to be theirs.
 _SAME_FUNCTION = ("module", "model edits", "submodules")
 
@@ -122,15 +130,21 @@ class Barriers:
     remarks: list[str]
 
 
-def load_batch(path: str | os.PathLike, what: str = "barrier batch") -> HeldOutBatch:
+def load_batch(
+    path: str | os.PathLike, runs: Sequence[Run] = (), what: str = "barrier batch"
+) -> HeldOutBatch:
     """A batch saved with ``torch.save``: a tensor, or dicts, lists and tuples of tensors (and
     numbers, strings, None), loaded to the CPU with ``weights_only=True``, so that a file
     holding any other object is refused without running its code.
 
+    Before it is loaded, the bytes the file declares (the uncompressed sizes of its zip
+    records; a file of another format cannot hold more than its length) are checked against
+    :func:`held_out_bound` of ``runs``.
+
     Raises:
-        DynamicsError: no such file, not a file ``torch.save`` wrote, one holding other
-            objects (pickled classes, named tuples, sizes, devices), no tensor at all or an
-            empty one.
+        DynamicsError: no such file, one declaring more than the bound, not a file
+            ``torch.save`` wrote, one holding other objects (pickled classes, named tuples,
+            sizes, devices), no tensor at all or an empty one.
     """
     import torch
 
@@ -138,6 +152,14 @@ def load_batch(path: str | os.PathLike, what: str = "barrier batch") -> HeldOutB
     where = f"{what} {path}"
     if not path.is_file():
         raise DynamicsError(f"{where}: no such file")
+    declared, bound = _declared_bytes(path), held_out_bound(runs)
+    if declared > bound:
+        raise DynamicsError(
+            f"{where}: declares {declared / 2**20:,.1f} MiB of data, more than the "
+            f"{bound / 2**20:,.1f} MiB a held-out batch of these runs may hold "
+            f"({HELD_OUT_PER_PROBE_BATCH}× their largest probe batch, at least "
+            f"{HELD_OUT_MIN_BOUND / 2**20:.0f} MiB, at most the memory available)"
+        )
     try:
         batch = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -165,6 +187,32 @@ def load_batch(path: str | os.PathLike, what: str = "barrier batch") -> HeldOutB
             f"{where}: holds an empty tensor (shapes {shapes}); a loss over no samples is NaN"
         )
     return HeldOutBatch(batch, f"held-out batch {path.name} ({_size(tensors)})", path)
+
+
+def held_out_bound(runs: Sequence[Run]) -> int:
+    """The most bytes a held-out batch of ``runs`` may declare: :data:`HELD_OUT_PER_PROBE_BATCH`
+    times their largest stored probe batch, at least :data:`HELD_OUT_MIN_BOUND`, and no more
+    than the memory available."""
+    probe = [
+        sum(
+            getattr(run.vector(n), "nbytes", 0)  # an unfilled vector reads as None
+            for n in run.vector_names
+            if n.startswith(names.PROBE_BATCH_PREFIX)
+        )
+        for run in runs
+    ]
+    tied = max(HELD_OUT_MIN_BOUND, HELD_OUT_PER_PROBE_BATCH * max(probe, default=0))
+    return min(tied, available_bytes())
+
+
+def _declared_bytes(path: Path) -> int:
+    """What loading the file may allocate, read from it without loading: the uncompressed
+    sizes its zip directory declares (``torch.save``'s format), else its length."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return sum(record.file_size for record in archive.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return path.stat().st_size
 
 
 def line_losses(surface, start: np.ndarray, end: np.ndarray, alphas: np.ndarray) -> np.ndarray:
@@ -446,5 +494,9 @@ def _endpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:
     if theta0 is None or theta_final is None:
         raise DynamicsError(
             f"{run.path.name} stores no θ0 or θT (ParameterDisplacement records them)"
+        )
+    if not np.isfinite(theta_final).all():  # what a diverged training left: no line ends there
+        raise DynamicsError(
+            f"{run.path.name} diverged at step {run.diverged_at}: its θT is not finite"
         )
     return theta0, theta_final

@@ -151,6 +151,10 @@ def write_plane(
     chosen = choose_plane(*runs, plane, grid_side)  # every input check before models are rebuilt
     stored = {r.name: s for r in runs if (s := stored_views(r, chosen.plane)) is not None}
     surfaces, remarks = {}, [f"plane: {chosen.reason}"]
+    remarks += [
+        f"{note}: its trajectory ends at its last finite checkpoint; no out-of-plane view"
+        for note in chosen.diverged.values()
+    ]
     for run in runs:
         if run.name in stored:
             continue

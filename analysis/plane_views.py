@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import h5py
@@ -70,12 +70,15 @@ class ChosenPlane:
     Attributes:
         plane: the plane through the shared θ0.
         reason: one line on how it was chosen (e.g. why the gradient plane could not be used).
-        checkpoints: ``{run name: (steps, θs)}``: snapshots followed by θT.
+        checkpoints: ``{run name: (steps, θs)}``: snapshots followed by θT, the finite ones.
+        diverged: ``{run name: one line}`` of the runs whose training diverged, leaving θT not
+            finite: their checkpoints end before it, and they get no out-of-plane view.
     """
 
     plane: Plane
     reason: str
     checkpoints: dict[str, tuple[np.ndarray, np.ndarray]]
+    diverged: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -123,15 +126,15 @@ def choose_plane(
     runs = [run_a, run_b]
     theta0 = _check_comparable(runs)
     checkpoints = {r.name: stored_checkpoints(r) for r in runs}
+    diverged = {r.name: note for r in runs if (note := divergence_note(r))}
     pair = f"{run_a.path.name} and {run_b.path.name}"
-    endpoints = [checkpoints[r.name][1][-1] for r in runs]
     try:  # the runs' own vectors, so a degenerate plane is the user's input
         if kind in ("auto", "gradients"):
             gradients = [_g0(r) for r in runs]
             try:
                 plane = plane_from_gradients(theta0, *gradients)
                 return ChosenPlane(
-                    plane, "the plane of the two runs' initial gradients", checkpoints
+                    plane, "the plane of the two runs' initial gradients", checkpoints, diverged
                 )
             except CollinearGradients as error:
                 if kind == "gradients":
@@ -140,6 +143,7 @@ def choose_plane(
                     ) from None
                 collinear = error
             try:
+                endpoints = _endpoints(runs, diverged)
                 plane = plane_from_gradient_and_endpoints(theta0, gradients[0], *endpoints)
             except DynamicsError as error:
                 raise DynamicsError(f"{collinear}, and {error}") from None
@@ -147,10 +151,10 @@ def choose_plane(
                 f"initial gradients coincide ({collinear}): using the plane of {run_a.name}'s "
                 "initial gradient and the direction between the two runs' endpoints"
             )
-            return ChosenPlane(plane, reason, checkpoints)
+            return ChosenPlane(plane, reason, checkpoints, diverged)
         if kind == "gradient-endpoints":
             g = _g0(run_a)
-            plane = plane_from_gradient_and_endpoints(theta0, g, *endpoints)
+            plane = plane_from_gradient_and_endpoints(theta0, g, *_endpoints(runs, diverged))
             reason = f"the plane of {run_a.name}'s initial gradient and θT_b − θT_a (asked)"
         elif kind == "pca":
             plane = pca_plane(theta0, np.vstack([checkpoints[r.name][1] for r in runs]))
@@ -160,7 +164,7 @@ def choose_plane(
             reason = f"a random filter-normalized plane, seed {seed} (asked)"
     except DynamicsError as error:
         raise DynamicsError(f"{pair}: {error}") from None
-    return ChosenPlane(plane, reason, checkpoints)
+    return ChosenPlane(plane, reason, checkpoints, diverged)
 
 
 def stored_views(run: Run, plane: Plane) -> StoredViews | None:
@@ -274,8 +278,10 @@ def planned_views(
         num_betas=grid_side,
         margin=margin,
     )
-    shares = {
-        f"in-plane share of ‖θT − θ0‖², {t.run}": in_plane_share(t) for t in on_plane.values()
+    shares = {  # a diverged run's last finite checkpoint is not its θT
+        f"in-plane share of ‖θT − θ0‖², {t.run}": in_plane_share(t)
+        for t in on_plane.values()
+        if t.run not in chosen.diverged
     }
     trajectories = list(on_plane.values())
     views = []
@@ -301,7 +307,7 @@ def planned_views(
     for r in runs:
         if r.name in stored:
             views.append(stored[r.name].out_of_plane)
-        elif r.name in surfaces:
+        elif r.name in surfaces and r.name not in chosen.diverged:  # p̂ needs a finite θT
             views.append(
                 _out_of_plane(r.name, plane, chosen, surfaces[r.name], grid_side, margin, progress)
             )
@@ -475,10 +481,11 @@ def _vector(run: Run, name: str, what: str) -> np.ndarray:
 
 def stored_checkpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:
     """A run's stored parameter snapshots followed by θT: ``(steps, θs)``, θT at the step
-    after the last training step.
+    after the last training step. Of a run that diverged, the finite ones only.
 
     Raises:
-        DynamicsError: the run stored no snapshots or no θT.
+        DynamicsError: the run stored no snapshots or no θT, or diverged before any finite
+            snapshot.
     """
     snapshots = run.recorded(names.SNAPSHOTS)
     if snapshots is None:
@@ -486,7 +493,34 @@ def stored_checkpoints(run: Run) -> tuple[np.ndarray, np.ndarray]:
     final = _vector(run, names.THETA_FINAL, "final parameters θT")
     loss = run.train_loss()
     last = (loss.step if loss is not None else snapshots.step)[-1] + 1
-    return np.append(snapshots.step, last), np.vstack([snapshots[names.SNAPSHOT_THETA], final])
+    steps = np.append(snapshots.step, last)
+    thetas = np.vstack([snapshots[names.SNAPSHOT_THETA], final])
+    if run.diverged_at is None:
+        return steps, thetas
+    finite = np.isfinite(thetas).all(axis=1)
+    if not finite.any():
+        raise DynamicsError(
+            f"{run.path.name}: diverged at step {run.diverged_at}, before any finite snapshot"
+        )
+    return steps[finite], thetas[finite]
+
+
+def divergence_note(run: Run) -> str:
+    """One line on a run whose training diverged, leaving θT not finite; ``""`` otherwise."""
+    if run.diverged_at is None:
+        return ""
+    final = run.vector(names.THETA_FINAL)
+    if final is None or np.isfinite(final).all():
+        return ""
+    return f"{run.path.name} diverged at step {run.diverged_at} (its θT is not finite)"
+
+
+def _endpoints(runs: list[Run], diverged: dict[str, str]) -> list[np.ndarray]:
+    """Both runs' θT, for the direction between them; refused when a run diverged."""
+    for run in runs:
+        if run.name in diverged:
+            raise DynamicsError(f"{diverged[run.name]}, so no direction joins the endpoints")
+    return [_vector(run, names.THETA_FINAL, "final parameters θT") for run in runs]
 
 
 def _jsonable(value: object) -> object:

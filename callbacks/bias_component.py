@@ -235,8 +235,24 @@ class BiasComponent(Probe):
         self._modules = {n: named[n] for n in self.layers}
         self._axes = {n: self._axis(n, named) for n in self.layers}
         call, shapes = self._pass(pl_module, None, "full")
+        # A module called more than once a pass (one ReLU shared by several layers) would have
+        # every call replaced at once: its decodes split no single hidden state.
+        reused = {n: len(shapes[n]) for n in self.layers if len(shapes.get(n, ())) > 1}
+        for layer, calls in reused.items():
+            self.note(
+                trainer.global_step if trainer is not None else 0,
+                f"BiasComponent leaves out {layer}: {layer} is called {calls} times in one "
+                "forward, so replacing its output would split several hidden states at once",
+            )
+        self.layers = tuple(n for n in self.layers if n not in reused)
+        if not self.layers:
+            raise ProbeUnavailable(
+                f"BiasComponent: every layer is called more than once a forward ({reused})"
+            )
+        self._modules = {n: self._modules[n] for n in self.layers}
+        self._axes = {n: self._axes[n] for n in self.layers}
         for layer in self.layers:
-            shape = shapes.get(layer)
+            shape = shapes[layer][0] if layer in shapes else None
             dim, rule = self._axes[layer]
             if shape is None:
                 raise ProbeUnavailable(
@@ -389,8 +405,8 @@ class BiasComponent(Probe):
     ) -> tuple[_LossCall, dict[str, Any]]:
         """One loss pass with ``layer``'s output replaced by its ``part`` (None: unchanged).
 
-        With ``part`` ``"full"`` the second value is each layer's output shape, with ``"share"``
-        its bias share; otherwise empty.
+        With ``part`` ``"full"`` the second value is each layer's output shapes (one per call),
+        with ``"share"`` its bias share; otherwise empty.
         """
         seen: dict[str, Any] = {}
         handles = []
@@ -405,7 +421,7 @@ class BiasComponent(Probe):
                 if part == "share":
                     seen[name] = _bias_share(output, dim)
                 else:
-                    seen[name] = tuple(output.shape)
+                    seen.setdefault(name, []).append(tuple(output.shape))
 
             return hook
 

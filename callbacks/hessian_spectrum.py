@@ -8,9 +8,9 @@ from typing import Any, Literal
 import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from dynamics import world
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, expected_steps
 from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
 from dynamics.curvature import (
@@ -324,7 +324,7 @@ class HessianSpectrum(Probe):
             tensors |= frozen_parameters(pl_module, self.dtype, self._names)
             tensors |= {n: upcast(b, self.dtype) for n, b in pl_module.named_buffers()}
             batch = apply_to_collection(batch, torch.Tensor, upcast, self.dtype)
-        averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        averaged = world.is_distributed()
         with (
             side_effect_free(pl_module, self.mode),
             torch.autocast(pl_module.device.type, enabled=False),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,20 +17,33 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.conv import _ConvNd
 
-from dynamics.activations import ACTIVATIONS, ShiftedActivation
+from dynamics import world
+from dynamics.activations import (
+    ACTIVATIONS,
+    ShiftedActivation,
+    expected_shift,
+    is_hf_activation,
+)
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec
 from dynamics.callbacks.unit_health import (
     DEAD,
     UnitKind,
-    nonfinite_fraction,
-    unit_fraction,
+    nonfinite_per_position,
+    unit_extremes,
+    unit_fraction_of,
     unit_kind,
 )
 from dynamics.callbacks.unit_health import VIEWS as UNIT_VIEWS
-from dynamics.isolation import in_extra_pass
+from dynamics.isolation import in_extra_pass, side_effect_free
+from dynamics.loss_rule import module_loss
 from dynamics.name_globs import glob_any, glob_match, matched
 from dynamics.store import names
 from dynamics.store.views import standard_view
+from dynamics.world import Reduce, checked_reduce
+
+#: Which positions of a batch count: None finds ``attention_mask`` in a dict batch, False
+#: counts every position, a callable returns the real positions of a batch (a bool tensor).
+MaskRule = Callable[[Any], torch.Tensor] | bool | None
 
 #: Module types whose output is a post-activation, for the activation-bias series.
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
@@ -86,9 +100,35 @@ class HiddenStateNorms(Probe):
     """Mean L2 norm of chosen modules' outputs, and the activation bias of activation modules.
 
     Per chosen module and due step: the L2 norm of the output over its feature axis, averaged
-    over every other axis (batch, tokens, spatial positions) and over every call in the step
-    (gradient accumulation). Per activation module: the mean of its output across neurons,
-    averaged likewise — the paper's activation bias.
+    over every other axis (batch, tokens, spatial positions) and over the step's micro-batches
+    (gradient accumulation) as one mean over all their positions. Per activation module: the
+    mean of its output across neurons, averaged likewise — the paper's activation bias.
+
+    **Calls.** A module called more than once per forward (one ``nn.ReLU`` shared by several
+    layers, an LSTM model's one ``self.drop`` on the embedding and on the output) gets one
+    column per call, ``drop#0``, ``drop#1``, ... in call order: the calls are counted at setup by
+    one loss pass on the first batch (:mod:`dynamics.loss_rule`, train mode, gradients off,
+    inside :func:`~dynamics.isolation.side_effect_free`), since columns are declared before
+    recording starts. A module later called another number of times (a data-dependent loop),
+    or called twice where the calls could not be counted (no loss rule), is refused: its
+    columns read NaN from then on, with a warning event saying why. Calls are never averaged.
+
+    **Padding.** ``mask`` picks the real positions: by default ``batch["attention_mask"]`` of a
+    dict batch (Hugging Face's), a callable ``mask(batch) -> bool tensor`` of your own, or
+    ``False`` for every position. Norms, activation biases, non-finite and unit fractions then
+    run over real positions only: an output's positions (its axes but the feature axis) must
+    start with the mask's (batch, positions) shape, or have no positions beyond the batch
+    (a pooled output); another output is refused as above. The rule used is stored in the run
+    file (``settings()["mask"]``) and named in the views' titles. Unit health needs the mask
+    during the forward, which under gradient accumulation is known for the first micro-batch
+    only: later micro-batches record NaN there, with a warning event.
+
+    **Ranks.** Under DDP the default ``reduce="global"`` records the global batch: each rank's
+    sums and counts of positions (and, for unit health, per-unit extremes) are added up across
+    ranks in one collective per series kind and due step, through :mod:`dynamics.world`, with
+    no host sync; ``reduce="rank0"`` records rank zero's micro-batches alone. A module with an
+    axis problem on any rank is refused (NaN on every rank) rather than the probe disabled on
+    one rank, which would leave the others waiting in the next collective.
 
     **Module choice**, when neither ``modules`` nor ``types`` is given: the residual blocks, found
     as the longest ``ModuleList``/``Sequential`` whose children all share one class (a
@@ -125,8 +165,10 @@ class HiddenStateNorms(Probe):
     rather than record a norm over the wrong axis. The axis and rule of every module are stored in
     the run file (``settings()``).
 
-    **Activations**: the built-in classes (``ACTIVATION_TYPES``, and classes named after
-    ``dynamics.activations.ACTIVATIONS``) plus any module the user marks by class
+    **Activations**: the built-in classes (``ACTIVATION_TYPES``, classes named after
+    ``dynamics.activations.ACTIVATIONS``, and Hugging Face's activation modules,
+    ``dynamics.activations.HF_ACTIVATIONS``, with their expected shift E[φ(z)] stored) plus any
+    module the user marks by class
     (``activation_types``) or name pattern (``activation_modules``), e.g. a hand-written
     ``CenteredGELU(nn.Module)``. Functional calls (``F.gelu(x)`` inside a ``forward``) have no
     module to hook and are not seen. Which modules were found, and the classes of all the
@@ -156,6 +198,9 @@ class HiddenStateNorms(Probe):
         activation_types: further module classes whose output is a post-activation.
         activation_modules: name patterns of further activation modules.
         unit_health: also record dead, saturated and non-finite fractions.
+        mask: the real positions: None (``attention_mask`` of a dict batch), a callable
+            ``(batch) -> bool tensor``, or False (every position).
+        reduce: ``"global"`` (every rank's batch) or ``"rank0"``.
         every_n_steps: recording period in optimizer steps.
     """
 
@@ -171,6 +216,8 @@ class HiddenStateNorms(Probe):
         activation_types: Sequence[type[nn.Module]] | None = None,
         activation_modules: Sequence[str] | None = None,
         unit_health: bool = False,
+        mask: MaskRule = None,
+        reduce: Reduce = "global",
         every_n_steps: int = 1,
     ) -> None:
         super().__init__(every_n_steps)
@@ -186,24 +233,40 @@ class HiddenStateNorms(Probe):
         self.activation_types = _module_classes(activation_types, "activation_types")
         self.activation_patterns = _strings(activation_modules, "activation_modules")
         self.unit_health = unit_health
+        if not (mask is None or mask is False or callable(mask)):
+            raise TypeError(
+                f"mask must be None, False or a callable (batch) -> tensor, got {mask!r}"
+            )
+        self.mask = mask
+        self.reduce = checked_reduce(reduce)
         # What setup found; empty until then, so series() and settings() are defined before it.
         self.layers: tuple[str, ...] = ()
         self.activation_layers: tuple[str, ...] = ()
         self.unit_kinds: dict[str, UnitKind] = {}  # activation modules with dead/saturated units
+        #: Calls per forward of each hooked module, counted at setup; one column per call.
+        self.calls: dict[str, int] = {}
+        self._columns: dict[str, tuple[str, ...]] = {}
+        self._counted_by = "not set up"
+        self._mask_rule = _mask_rule(mask, None)
         self._unit_axes: dict[str, _Axis] = {}
-        self._units: dict[str, list[torch.Tensor]] = {}
-        self._nonfinite: dict[str, list[torch.Tensor]] = {}
+        self._bias_axes: dict[str, _Axis] = {}
         self._report: dict[str, Any] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._norms: dict[str, list[torch.Tensor]] = {}
-        self._biases: dict[str, list[torch.Tensor]] = {}
+        self._series_columns: dict[str, tuple[str, ...]] = {}  # per-position series: columns
+        self._device = torch.device("cpu")
+        self._steps = _StepValues({})
+        self._extremes: dict[str, list[torch.Tensor]] = {}  # unit column -> per-unit extremes
+        self._calls_now: dict[str, int] = {}  # calls of each module in this micro-batch
+        self._hook_mask: torch.Tensor | None = None
+        self._mask_known = True  # whether the hooks know this micro-batch's mask
+        self._refused: dict[str, str] = {}  # modules whose columns read NaN, and why
         self._problems: dict[str, str] = {}
         self._warned: set[str | tuple[str, str]] = set()  # layers (and units) warned about
         self._step = 0  # the due step whose forward the hooks see
         self._armed = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Choose the modules, resolve their feature axes and hook them.
+        """Choose the modules, resolve their feature axes, count their calls and hook them.
 
         Raises:
             ProbeUnavailable: a pattern or type matches nothing, or there is nothing to record.
@@ -253,54 +316,71 @@ class HiddenStateNorms(Probe):
             self.unit_kinds = {
                 n: kind for n in activation_layers if (kind := unit_kind(named[n])) is not None
             }
-            self._unit_axes = {n: self._unit_axis(n, named, pl_module) for n in self.unit_kinds}
-        # One list per layer and value for the whole fit, emptied at each due step: the hooks
-        # hold their own lists, so a call appends without looking anything up.
-        self._norms = {n: [] for n in layers}
-        self._biases = {n: [] for n in activation_layers}
-        self._units = {n: [] for n in self.unit_kinds}
+        self._bias_axes = {n: self._unit_axis(n, named, pl_module) for n in activation_layers}
+        self._unit_axes = {n: self._bias_axes[n] for n in self.unit_kinds}
         self.layers, self.activation_layers = layers, activation_layers
-        self._nonfinite = {n: [] for n in self._recorded_outputs()} if self.unit_health else {}
-        for layer in layers:
-            hook = self._norm_hook(layer, axes[layer])
+        hooked = tuple(dict.fromkeys(layers + activation_layers))
+        self.calls, self._counted_by = _count_calls(pl_module, batch, {n: named[n] for n in hooked})
+        self._columns = {n: _call_columns(n, self.calls.get(n, 1)) for n in hooked}
+        self._calls_now = dict.fromkeys(hooked, 0)
+        self._mask_rule = _mask_rule(self.mask, batch)
+        self._refused = {}
+        self._device = _device(pl_module)
+        health = self._health_columns() if self.unit_health else {}
+        series_columns = {
+            NORM: self._columns_of(self.layers),
+            BIAS: self._columns_of(self.activation_layers),
+            NONFINITE: health.get(names.UNIT_NONFINITE, ()),
+        }
+        self._series_columns = {s: c for s, c in series_columns.items() if c}
+        self._steps = _StepValues(self._series_columns)
+        for layer in hooked:
+            hook = self._hook(layer, axes.get(layer), layer in activation_layers)
             self._handles.append(named[layer].register_forward_hook(hook))
-        for layer in activation_layers:
-            self._handles.append(named[layer].register_forward_hook(self._bias_hook(layer)))
         self._report = {
             "layers": {
                 n: {"class": type(named[n]).__name__, "feature_dim": a.dim, "rule": a.rule}
                 for n, a in axes.items()
             },
             "found": {n: type(named[n]).__name__ for n in activation_layers},
+            "expected_shift": {
+                n: shift
+                for n in activation_layers
+                if (shift := expected_shift(named[n])) is not None
+            },
             "unit_axes": {
                 n: {"feature_dim": a.dim, "rule": a.rule} for n, a in self._unit_axes.items()
             },
             "looked_at": dict(Counter(type(m).__name__ for m in named.values()).most_common()),
         }
         self._announce_activations(len(named))
+        self._check_ranks_agree(self._device)
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         """The norm and bias series of the modules setup chose; empty before setup."""
         if not self.layers:
             return {}
-        norms = standard_view(names.HIDDEN_NORMS, names.HIDDEN_NORM)
+        norm_columns = self._columns_of(self.layers)
+        norms = self._masked_view(standard_view(names.HIDDEN_NORMS, names.HIDDEN_NORM))
         groups = {
             names.HIDDEN_NORMS: {
-                names.HIDDEN_NORM: SeriesSpec((len(self.layers),), columns=self.layers, view=norms)
+                names.HIDDEN_NORM: SeriesSpec(
+                    (len(norm_columns),), columns=norm_columns, view=norms
+                )
             }
         }
         if self.activation_layers:
-            n = len(self.activation_layers)
-            bias = standard_view(names.ACTIVATION_BIAS, names.ACTIVATION_MEAN)
+            columns = self._columns_of(self.activation_layers)
+            bias = self._masked_view(standard_view(names.ACTIVATION_BIAS, names.ACTIVATION_MEAN))
             groups[names.ACTIVATION_BIAS] = {
-                names.ACTIVATION_MEAN: SeriesSpec((n,), columns=self.activation_layers, view=bias)
+                names.ACTIVATION_MEAN: SeriesSpec((len(columns),), columns=columns, view=bias)
             }
         if self.unit_health:
             groups[names.UNIT_HEALTH] = {
                 series: SeriesSpec(
                     (len(columns),),
                     columns=columns,
-                    view=UNIT_VIEWS[series],
+                    view=self._masked_view(UNIT_VIEWS[series]),
                 )
                 for series, columns in self._health_columns().items()
                 if columns
@@ -314,12 +394,21 @@ class HiddenStateNorms(Probe):
             "feature_dims": self.feature_dims,
             "feature_dim": self.feature_dim,
             "layers": self._report.get("layers", {}),
+            "calls_per_forward": dict(self.calls),
+            "calls_counted_by": self._counted_by,
+            "mask": self._mask_rule,
+            "reduce": self.reduce,
+            "reduction": (
+                "mean over every real position of the step's batch: every micro-batch, "
+                + ("every rank (sums and counts reduced)" if self.reduce == "global" else "rank 0")
+            ),
             "activation_bias": {
                 "builtin_types": self.activations,
                 "types": [_qualname(t) for t in self.activation_types],
                 "modules": list(self.activation_patterns),
                 "functional_calls": "not seen (F.gelu and the like have no module to hook)",
                 "found": self._report.get("found", {}),
+                "expected_shift": self._report.get("expected_shift", {}),
                 "looked_at": self._report.get("looked_at", {}),
             },
             "unit_health": {
@@ -331,44 +420,143 @@ class HiddenStateNorms(Probe):
         }
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
-        for values in (self._norms, self._biases, self._units, self._nonfinite):
-            for calls in values.values():
-                calls.clear()
+        self._steps.clear()
+        for extremes in self._extremes.values():
+            extremes.clear()
+        self._calls_now = dict.fromkeys(self._calls_now, 0)
         self._problems = {}
         self._step = step
+        # The hooks see the first micro-batch's mask; a later micro-batch's is known only after
+        # its forward (norms and biases wait for it; unit extremes cannot).
+        self._hook_mask = self._batch_mask(batch)
+        self._mask_known = True
         self._armed = True
+
+    def on_micro_batch_end(self, trainer, pl_module, batch, outputs, step) -> None:
+        if self._armed:
+            self._close_micro_batch(batch)
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         """The step's rows.
 
         Raises:
-            ProbeUnavailable: an output was no tensor, or lacked the feature axis it should have.
+            ProbeUnavailable: an output was no tensor, or lacked the feature axis it should have
+                (on any rank).
         """
+        if self._armed and any(self._calls_now.values()):  # driven without micro-batch ends
+            self._close_micro_batch(batch)
         self._armed = False
-        if self._problems:
+        if not self.layers:
+            return {}
+        global_ = self.reduce == "global" and world.is_distributed()
+        if self._problems and not global_:
             raise ProbeUnavailable(
                 "HiddenStateNorms: "
                 + "; ".join(f"{layer}: {why}" for layer, why in self._problems.items())
                 + " (set feature_dims={name pattern: axis}, or leave the module out)"
             )
-        if not self.layers:
-            return {}
-        norms = _mean_norms(self._norms, self.layers)
+        # Under DDP a probe disabled on one rank would leave the others waiting in the next
+        # collective: there a module with a problem is refused instead, and its NaN sums make
+        # its columns NaN on every rank.
+        for layer, why in self._problems.items():
+            self._refuse(layer, f"{why} (set feature_dims={{name pattern: axis}})")
+        device, per_series = self._device, self._series_columns
+        unit_columns = self._columns_of(self.unit_kinds)
+        extremes = [self._unit_extremes(c, device) for c in unit_columns]
+        if global_:  # one collective for every series' sums and counts, one for the extremes
+            columns = list(per_series.values())
+            totals = [
+                self._refused_as_nan(self._steps.totals(s, c, device), c)
+                for s, c in per_series.items()
+            ]
+            totals = world.all_reduce(totals)
+            means = dict(zip(per_series, (_ratio(t, c) for t, c in zip(totals, columns))))
+            if extremes:
+                extremes = world.all_reduce(extremes, "max")
+        else:
+            means = {
+                s: self._refused_as_nan(self._steps.means(s, c, device), c)
+                for s, c in per_series.items()
+            }
+        norms, biases, nonfinite = (means.get(s) for s in (NORM, BIAS, NONFINITE))
         rows: Rows = {names.HIDDEN_NORMS: {names.HIDDEN_NORM: norms}}
         if self.activation_layers:
-            biases = _means(self._biases, self.activation_layers)
             rows[names.ACTIVATION_BIAS] = {names.ACTIVATION_MEAN: biases}
         if self.unit_health:
-            values = {
-                names.UNIT_NONFINITE: self._nonfinite,
-                **dict.fromkeys((names.UNIT_DEAD, names.UNIT_SATURATED), self._units),
-            }
+            health = self._health_columns()
+            fractions = dict(zip(unit_columns, self._unit_fractions(unit_columns, extremes)))
+            values = {names.UNIT_NONFINITE: dict(zip(health[names.UNIT_NONFINITE], nonfinite))}
+            for series in (names.UNIT_DEAD, names.UNIT_SATURATED):
+                values[series] = {c: fractions[c] for c in health[series]}
             rows[names.UNIT_HEALTH] = {
-                series: _means(values[series], columns)
-                for series, columns in self._health_columns().items()
+                series: torch.stack([values[series][c] for c in columns]).reshape(len(columns))
+                for series, columns in health.items()
                 if columns
             }
         return rows
+
+    def _columns_of(self, modules: Iterable[str]) -> tuple[str, ...]:
+        return tuple(c for m in modules for c in self._columns[m])
+
+    def _owner(self, column: str) -> str:
+        return column.rpartition("#")[0] if column not in self._columns else column
+
+    def _refused_as_nan(self, values: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
+        """``values`` (means, or sums then counts) with refused modules' columns NaN; sums are
+        made NaN before the reduction, so that a module refused on one rank reads NaN on all."""
+        if not self._refused:
+            return values
+        refused = [i for i, c in enumerate(columns) if self._owner(c) in self._refused]
+        if refused:
+            values = values.clone()
+            values[refused] = float("nan")
+        return values
+
+    def _masked_view(self, view):
+        """The view, labelled with the positions it averages over when a mask selects them."""
+        if view is None or self._mask_rule.startswith("none") or self._mask_rule == "off":
+            return view
+        return dataclasses.replace(view, title=f"{view.title} (real positions: {self._mask_rule})")
+
+    def _batch_mask(self, batch: Any) -> torch.Tensor | None:
+        """The real (not padded) positions of ``batch``, by the mask rule; None: all of them."""
+        if self.mask is False or batch is None:
+            return None
+        if self.mask is None:
+            value = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+            if not isinstance(value, torch.Tensor):
+                return None
+        else:
+            value = self.mask(batch)
+            if not isinstance(value, torch.Tensor):
+                raise ProbeUnavailable(
+                    f"HiddenStateNorms: mask={self._mask_rule} returned a "
+                    f"{type(value).__name__}, not a tensor of the real positions"
+                )
+        return value.detach() if value.dtype == torch.bool else value.detach() != 0
+
+    def _close_micro_batch(self, batch: Any) -> None:
+        """Reduce the micro-batch's per-position values to sums and counts over its mask, and
+        check each module was called as often as its columns say."""
+        mask = self._batch_mask(batch)
+        for layer, count in self._calls_now.items():
+            declared = len(self._columns[layer])
+            if declared > 1 and count not in (0, declared) and layer not in self._refused:
+                self._refuse(layer, f"called {count} times in one forward, not {declared}")
+            self._calls_now[layer] = 0
+        for column, why in self._steps.close(mask).items():
+            self._refuse(self._owner(column), why)
+        self._hook_mask, self._mask_known = None, mask is None
+
+    def _refuse(self, layer: str, why: str) -> None:
+        if layer in self._refused:
+            return
+        self._refused[layer] = why
+        self.note(
+            self._step,
+            f"{layer}: {why}; its columns read NaN from now on (a stable column per call "
+            "cannot be kept)",
+        )
 
     def _recorded_outputs(self) -> tuple[str, ...]:
         return self.layers + tuple(n for n in self.activation_layers if n not in self.layers)
@@ -376,9 +564,9 @@ class HiddenStateNorms(Probe):
     def _health_columns(self) -> dict[str, tuple[str, ...]]:
         kinds = self.unit_kinds
         return {
-            names.UNIT_DEAD: tuple(n for n, k in kinds.items() if k.kind == DEAD),
-            names.UNIT_SATURATED: tuple(n for n, k in kinds.items() if k.kind != DEAD),
-            names.UNIT_NONFINITE: self._recorded_outputs(),
+            names.UNIT_DEAD: self._columns_of(n for n, k in kinds.items() if k.kind == DEAD),
+            names.UNIT_SATURATED: self._columns_of(n for n, k in kinds.items() if k.kind != DEAD),
+            names.UNIT_NONFINITE: self._columns_of(self._recorded_outputs()),
         }
 
     def _unit_axis(self, name: str, named: Mapping[str, nn.Module], root: nn.Module) -> _Axis:
@@ -400,7 +588,7 @@ class HiddenStateNorms(Probe):
             return _Axis(kind_dim(last), f"module before it ({type(last).__name__})", last)
         return _Axis(-1, _TWO_D_ONLY)
 
-    def _record_units(self, layer: str, hidden: torch.Tensor) -> None:
+    def _record_units(self, layer: str, column: str, hidden: torch.Tensor) -> None:
         axis = self._unit_axes[layer]
         problem = (
             f"output of shape {tuple(hidden.shape)}: its unit axis {_TWO_D_ONLY}"
@@ -409,12 +597,59 @@ class HiddenStateNorms(Probe):
             if hidden.dim() < 2
             else _axis_problem(hidden, hidden, axis)
         )
+        if problem is None and not self._mask_known:
+            problem = (
+                "a padding mask is in use and a later micro-batch's mask is not known during "
+                "its forward (gradient accumulation)"
+            )
+        extremes = None
+        if problem is None:
+            extremes = unit_extremes(hidden, self.unit_kinds[layer], axis.dim, self._hook_mask)
+            if isinstance(extremes, str):
+                problem, extremes = extremes, None
         if problem:  # NaN, not a fraction over the wrong axis; one event per layer
+            ndim = max(hidden.dim(), 1)
+            units = hidden.shape[axis.dim] if hidden.dim() and -ndim <= axis.dim < ndim else 1
+            extremes = hidden.new_full((units,), float("nan"))
             if ("units", layer) not in self._warned:
                 self._warned.add(("units", layer))
                 self.note(self._step, f"unit health of {layer}: {problem}; recorded NaN")
+        self._extremes.setdefault(column, []).append(extremes)
+
+    def _unit_extremes(self, column: str, device: torch.device) -> torch.Tensor:
+        """The per-unit extreme of a unit column over the step's calls; NaN where a call was
+        not measured (the max keeps NaN) or the column was not called."""
+        calls = self._extremes.get(column) or []
+        if not calls or any(c.shape != calls[0].shape for c in calls):
+            return torch.full((1,), float("nan"), device=device)
+        return torch.stack(calls).amax(dim=0)
+
+    def _unit_fractions(
+        self, columns: Sequence[str], extremes: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        fractions = []
+        for column, extreme in zip(columns, extremes):
+            value = unit_fraction_of(extreme, self.unit_kinds[self._owner(column)])
+            if self._owner(column) in self._refused:
+                value = torch.full_like(value, float("nan"))
+            fractions.append(value)
+        return fractions
+
+    def _check_ranks_agree(self, device: torch.device) -> None:
+        """Under DDP every rank must declare the same columns, or the reduction of each step's
+        sums would mix modules; refused on every rank alike (one collective, at setup)."""
+        if self.reduce != "global" or not world.is_distributed():
             return
-        self._units[layer].append(unit_fraction(hidden, self.unit_kinds[layer], axis.dim))
+        n = float(
+            len(self._columns_of(self.layers)) + len(self._columns_of(self.activation_layers))
+        )
+        low, high = world.all_reduce([torch.tensor([-n, n], device=device)], "max")[0]
+        if -low != high:
+            raise ProbeUnavailable(
+                "HiddenStateNorms: the ranks counted different numbers of calls per forward "
+                f"(from {-low:.0f} to {high:.0f} columns), so their sums cannot be reduced; "
+                "set reduce='rank0'"
+            )
 
     def teardown(self) -> None:
         for handle in self._handles:
@@ -439,17 +674,32 @@ class HiddenStateNorms(Probe):
             )
         return _Axis(-1, _ASSUMED)
 
-    def _norm_hook(self, layer: str, axis: _Axis):
+    def _hook(self, layer: str, axis: _Axis | None, activation: bool):
+        """The one forward hook of a recorded module: its norm (a layer), its bias (an
+        activation), non-finite values and units, each into the column of this call."""
         checked: torch.Size | None = None  # the last output shape found right for the axis
-        norms_of_calls, dim = self._norms[layer], axis.dim
-        nonfinite = self._nonfinite.get(layer)
+        columns = self._columns[layer]
+        nonfinite = self.unit_health
+        units = layer in self.unit_kinds
+        bias_axis = self._bias_axes.get(layer)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             nonlocal checked
             if not self._armed or in_extra_pass():  # not a probe's own extra forward
                 return
+            index = self._calls_now[layer]
+            self._calls_now[layer] = index + 1
+            if layer in self._refused:
+                return
+            if index >= len(columns):
+                self._refuse(
+                    layer,
+                    f"called more than {len(columns)} times in one forward ({self._counted_by})",
+                )
+                return
+            column = columns[index]
             hidden = output if type(output) is torch.Tensor else _first_tensor(output)
-            if hidden is None or hidden.shape != checked:
+            if axis is not None and (hidden is None or hidden.shape != checked):
                 problem = _axis_problem(hidden, output, axis)
                 if problem:
                     self._problems.setdefault(layer, problem)
@@ -463,34 +713,24 @@ class HiddenStateNorms(Probe):
                         "norm runs over the last axis. Set feature_dims={...: axis} if its "
                         "features lie elsewhere."
                     )
-            # Detached device tensors only: no .item(), so no host sync in the hot path.
-            hidden = hidden.detach()
-            # The mean over batch and positions waits for on_step_end, one op for all layers.
-            norms_of_calls.append(torch.linalg.vector_norm(hidden, dim=dim, dtype=torch.float32))
-            if nonfinite is not None:
-                nonfinite.append(nonfinite_fraction(hidden))
-
-        return hook
-
-    def _bias_hook(self, layer: str):
-        biases = self._biases[layer]
-        # Non-finite values are counted here unless the layer's norm hook counts them.
-        nonfinite = self._nonfinite.get(layer) if layer not in self._norms else None
-        units = layer in self._units
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._armed or in_extra_pass():  # not a probe's own extra forward
-                return
-            hidden = output if type(output) is torch.Tensor else _first_tensor(output)
             if hidden is None:
                 self._problems.setdefault(layer, f"outputs a {type(output).__name__}, no tensor")
                 return
+            # Detached device tensors only: no .item(), so no host sync in the hot path. Each
+            # value is kept per position (batch, tokens) until the micro-batch's mask is known.
             hidden = hidden.detach()
-            biases.append(hidden.mean(dtype=torch.float32))
-            if nonfinite is not None:
-                nonfinite.append(nonfinite_fraction(hidden))
+            feature_dim = axis.dim if axis is not None else _bias_dim(hidden, bias_axis)
+            if axis is not None:
+                norms = torch.linalg.vector_norm(hidden, dim=axis.dim, dtype=torch.float32)
+                self._steps.pending[NORM][column].append(norms)
+            if activation:
+                bias = _per_position_mean(hidden, _bias_dim(hidden, bias_axis))
+                self._steps.pending[BIAS][column].append(bias)
+            if nonfinite:
+                flags = nonfinite_per_position(hidden, feature_dim)
+                self._steps.pending[NONFINITE][column].append(flags)
             if units:
-                self._record_units(layer, hidden)
+                self._record_units(layer, column, hidden)
 
         return hook
 
@@ -596,7 +836,11 @@ def _axis_problem(hidden: torch.Tensor | None, output: Any, axis: _Axis) -> str 
 
 
 def _is_activation(module: nn.Module) -> bool:
-    return isinstance(module, ACTIVATION_TYPES) or type(module).__name__.lower() in ACTIVATIONS
+    return (
+        isinstance(module, ACTIVATION_TYPES)
+        or type(module).__name__.lower() in ACTIVATIONS
+        or is_hf_activation(module)
+    )
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -607,36 +851,168 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _mean_norms(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torch.Tensor:
-    """Each layer's norms (one tensor per call) averaged over batch and positions, then over
-    the step's calls, as in :func:`_means`.
+#: The per-position series a step accumulates, as :class:`_StepValues` keys.
+NORM, BIAS, NONFINITE = "norm", "bias", "nonfinite"
 
-    The usual step calls each layer once with outputs of one shape: its norms are stacked and
-    averaged in one op (each row reduced as its own mean would be).
+
+class _StepValues:
+    """A due step's per-position values (norms, means, non-finite flags), per series and
+    column: those of the micro-batch in flight, and those of the micro-batches closed, as
+    sums and counts over their real positions."""
+
+    def __init__(self, columns: Mapping[str, Sequence[str]]) -> None:
+        # One list per series and column for the whole fit, emptied at each due step: the
+        # hooks append without building anything.
+        self.pending = {s: {c: [] for c in cs} for s, cs in columns.items()}
+        # Closed without a mask: kept whole, so the usual step is one stack and one mean.
+        self.unmasked = {s: {c: [] for c in cs} for s, cs in columns.items()}
+        self.masked: dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    def clear(self) -> None:
+        for lists in (*self.pending.values(), *self.unmasked.values()):
+            for values in lists.values():
+                values.clear()
+        self.masked = {}
+
+    def close(self, mask: torch.Tensor | None) -> dict[str, str]:
+        """Close the micro-batch with its mask of real positions (None: all); the columns
+        whose values do not line up with the mask, and why."""
+        problems: dict[str, str] = {}
+        for series, columns in self.pending.items():
+            for column, values in columns.items():
+                if mask is None:
+                    self.unmasked[series][column].extend(values)
+                    values.clear()
+                    continue
+                for value in values:
+                    weights = position_weights(value.shape, mask)
+                    if isinstance(weights, str):
+                        problems[column] = weights
+                    elif weights is None:
+                        self.unmasked[series][column].append(value)
+                    else:
+                        kept = torch.where(weights, value, 0).sum(dtype=torch.float32)
+                        count = weights.sum(dtype=torch.float32) * (value.numel() / weights.numel())
+                        self.masked.setdefault(series, {}).setdefault(column, []).append(
+                            (kept, count)
+                        )
+                values.clear()
+        return problems
+
+    def means(self, series: str, columns: Sequence[str], device: torch.device) -> torch.Tensor:
+        """Each column's mean over its real positions (NaN for a column without values)."""
+        calls = [self.unmasked.get(series, {}).get(c, ()) for c in columns]
+        if series not in self.masked and all(len(c) == 1 for c in calls):
+            shape = calls[0][0].shape
+            if all(c[0].shape == shape for c in calls):  # the usual step: one op per series
+                stacked = torch.stack([c[0] for c in calls])
+                # Norms of 1-D outputs are scalars already (a mean over no dims would reduce
+                # them all). (An int dim costs half what a tuple of dims does.)
+                return stacked.flatten(1).mean(dim=1) if stacked.dim() > 1 else stacked
+        return _ratio(self.totals(series, columns, device), columns)
+
+    def totals(self, series: str, columns: Sequence[str], device: torch.device) -> torch.Tensor:
+        """Each column's sum, then each column's count: one (2 × columns,) float32 tensor."""
+        unmasked, masked = self.unmasked.get(series, {}), self.masked.get(series, {})
+        sums, counts = [], []
+        zero = torch.zeros((), device=device)
+        for column in columns:
+            whole, parts = unmasked.get(column, ()), masked.get(column, ())
+            sums.append(
+                sum([v.sum(dtype=torch.float32) for v in whole] + [s for s, _ in parts], zero)
+            )
+            counts.append(sum([c for _, c in parts], zero) + float(sum(v.numel() for v in whole)))
+        return torch.cat([torch.stack(sums), torch.stack(counts)]).float()
+
+
+def position_weights(shape: torch.Size, mask: torch.Tensor) -> torch.Tensor | None | str:
+    """Which entries of a per-position value of ``shape`` are real by ``mask`` (batch,
+    positions): a bool tensor broadcastable to ``shape``; None where the value has no
+    positions beyond the batch (a pooled output has no padding); or why they do not line up."""
+    m = tuple(mask.shape)
+    if tuple(shape[: len(m)]) == m:
+        return mask.reshape(*m, *([1] * (len(shape) - len(m))))
+    if len(shape) < len(m) and tuple(shape) == m[: len(shape)]:
+        return None
+    return (
+        f"values per position of shape {tuple(shape)} do not start with the mask's shape {m} "
+        "(batch, positions)"
+    )
+
+
+def _count_calls(
+    pl_module: nn.Module, batch: Any, modules: Mapping[str, nn.Module]
+) -> tuple[dict[str, int], str]:
+    """How often one forward calls each module (a shared ReLU, one dropout used twice), from
+    one loss pass on the first batch, and how it was counted.
+
+    Columns must be declared before recording starts, so the count is taken before the first
+    training forward: by the loss rule, in train mode, with gradients off, inside
+    :func:`side_effect_free` (the pass leaves the run as it was).
     """
-    calls = [values[k] for k in layers]
-    shape = calls[0][0].shape if calls[0] else None
-    if all(len(c) == 1 and c[0].shape == shape for c in calls):
-        stacked = torch.stack([c[0] for c in calls])
-        # Norms of 1-D outputs are scalars already (a mean over no dims would reduce them all).
-        # (An int dim costs half what a tuple of dims does.)
-        return stacked.flatten(1).mean(dim=1) if stacked.dim() > 1 else stacked
-    return _means({k: [norms.mean() for norms in values[k]] for k in layers}, layers)
+    if batch is None:
+        return {}, "not counted (no batch at setup): one column per module"
+    counts = dict.fromkeys(modules, 0)
+
+    def counter(name: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            counts[name] += 1
+
+        return hook
+
+    handles = [m.register_forward_hook(counter(n)) for n, m in modules.items()]
+    try:
+        with side_effect_free(pl_module, "train"), torch.no_grad():
+            module_loss(pl_module, batch)
+    except Exception as error:  # any user code: the count is missing, the probe goes on
+        return {}, (
+            f"not counted ({type(error).__name__}: {error}); one column per module, and a module "
+            "called more often is refused"
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts, "one loss pass at setup (the loss rule, train mode, gradients off)"
 
 
-def _means(values: dict[str, list[torch.Tensor]], layers: Sequence[str]) -> torch.Tensor:
-    # A layer not called in this step (a branch not taken) reads NaN rather than a made-up 0.
-    # Rows stay on the device; the writer copies a whole block to the host at once.
-    # The usual step calls each layer once: its value as it is, no op but the stack.
-    calls = [values[k] for k in layers]
-    if all(len(c) == 1 for c in calls):
-        return torch.stack([c[0] for c in calls])
-    means = [(c[0] if len(c) == 1 else sum(c) / len(c)) if c else None for c in calls]
-    if any(m is None for m in means):  # `None in` would compare tensors with ==
-        device = next((m.device for m in means if m is not None), torch.device("cpu"))
-        nan = torch.full((), float("nan"), device=device)
-        means = [nan if m is None else m for m in means]
-    return torch.stack(means)
+def _call_columns(name: str, calls: int) -> tuple[str, ...]:
+    """One column per call of a module in a forward: its name, or ``name#0``, ``name#1``, ..."""
+    return (name,) if calls <= 1 else tuple(f"{name}#{i}" for i in range(calls))
+
+
+def _mask_rule(mask: MaskRule, batch: Any) -> str:
+    """Which positions count, in words, as stored in the run file and shown in the views."""
+    if mask is False:
+        return "off"
+    if callable(mask):
+        return f"mask={getattr(mask, '__qualname__', type(mask).__qualname__)}"
+    if batch is None:
+        return "batch['attention_mask'] where a dict batch has one"
+    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
+        return "batch['attention_mask']"
+    return "none: every position (the first batch has no attention_mask)"
+
+
+def _bias_dim(hidden: torch.Tensor, axis: _Axis | None) -> int:
+    ndim = hidden.dim()
+    return axis.dim if axis is not None and -ndim <= axis.dim < ndim else -1
+
+
+def _per_position_mean(hidden: torch.Tensor, dim: int) -> torch.Tensor:
+    """The mean across features at each position (the activation bias before averaging)."""
+    if hidden.dim() < 2:
+        return hidden.float()
+    return hidden.mean(dim=dim, dtype=torch.float32)
+
+
+def _ratio(totals: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
+    """Sums over counts per column (0/0: a module not called reads NaN)."""
+    return totals[: len(columns)] / totals[len(columns) :]
+
+
+def _device(module: Any) -> torch.device:
+    parameter = next(module.parameters(), None) if isinstance(module, nn.Module) else None
+    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 def _strings(values: Sequence[str] | None, argument: str) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ its ``Callback``: :class:`DynamicsRecorder` here for ``pytorch_lightning``, and
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import platform
@@ -39,7 +40,8 @@ from dynamics.params import (
     vector_hash,
 )
 from dynamics.rebuild import module_record
-from dynamics.store import RunFileError, RunLock, RunWriter, SeriesSpec, names
+from dynamics.store import RunFileError, RunLock, RunWriter, SeriesSpec, names, open_run
+from dynamics.store.writer import RunIdentity
 
 #: What the recorder does when a probe raises: disable it and go on, or end the fit.
 OnProbeError = Literal["disable", "raise"]
@@ -57,6 +59,16 @@ class RecorderBase:
     ``Trainer.fit(ckpt_path=...)`` continue the same file: rows recorded after the checkpoint's
     step are dropped first, so a resumed run's series equal an uninterrupted run's. Probes run
     on every rank (some need collectives); only rank zero writes.
+
+    A resume proves the file is the checkpoint's own: the checkpoint keeps the file's
+    identity (its run id and θ0's hash) and row counts, and a file that differs (replaced by
+    another run) is refused at fit start, as is one recorded with other probes (at fit start;
+    other series, at the first batch, before anything is written). A recorder whose path
+    differs from the checkpoint's (a relative path, a moved folder, a copy) continues the file
+    at its path when that file is the checkpoint's run, with a warning, and is refused
+    otherwise. A checkpoint holding no recorder state cannot continue an existing file: that
+    is refused unless ``overwrite``; a new file it starts has θ0 = the checkpoint's parameters,
+    which a warning and an event in the file say.
 
     The file also keeps what the fit is, written with it at the first training batch: the
     module's class, its saved hyperparameters (init args) and its submodules, the parameter
@@ -162,6 +174,13 @@ class RecorderBase:
         self._warned: set[tuple[str, str]] = set()  # (probe, note) already shown
         self._edits: list[dict[str, Any]] = []  # what model-editing callbacks did this fit
         self._checkpoint_edits: list[dict[str, Any]] | None = None  # the resumed fit's
+        # The run file a checkpoint keeps: the path the checkpoint's fit wrote, and what proves
+        # a file is this run's, as the last writer left it or a checkpoint restored it (None:
+        # no file yet, or a checkpoint from before they were kept).
+        self._checkpoint_path: str | None = None
+        self._run_identity: RunIdentity | None = None
+        self._run_rows: dict[str, int] | None = None
+        self._run_groups: dict[str, str] | None = None  # {series group: its probe}
 
     @property
     def state_key(self) -> str:
@@ -190,9 +209,7 @@ class RecorderBase:
                     f"{self.path}: the checkpoint's fit edited the model with {before}, this "
                     f"fit with {now}; resume with the same model-editing callbacks"
                 )
-        # A resumed fit continues the file; a fresh one without a checkpoint must not clobber one.
-        new_file = fresh and trainer.ckpt_path is None
-        problem = self._claim_path(new_file) if trainer.is_global_zero else None
+        problem = self._claim_path(trainer) if trainer.is_global_zero else None
         problem = trainer.strategy.broadcast(problem)  # every rank stops, none hangs
         if problem is not None:
             raise RunFileError(problem)
@@ -281,13 +298,41 @@ class RecorderBase:
     ) -> None:
         self._close(trainer, names.CRASHED, f"{type(exception).__name__}: {exception}")
 
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning finds a callback's state under its state_key, which holds the path as given:
+        # a relative path, a moved folder or a copy would leave the state unread, and the fit
+        # would start a new file from the checkpoint's parameters. Such a state is taken here;
+        # at fit start the file's identity decides whether this path continues the run.
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return  # Lightning loads it next
+        others = {c.state_key for c in trainer.callbacks if c is not self}
+        candidates = [s for k, s in states.items() if k not in others and _is_recorder_state(s)]
+        same_path = [s for s in candidates if _same_path(s["path"], self.path)]
+        if len(same_path) == 1 or len(candidates) == 1:
+            self.load_state_dict(copy.deepcopy((same_path or candidates)[0]))
+        elif candidates:
+            paths = ", ".join(str(s["path"]) for s in candidates)
+            raise RunFileError(
+                f"cannot resume {self.path}: the checkpoint holds the states of "
+                f"{len(candidates)} recorders ({paths}) and none of them is for this path; "
+                "give each recorder the path its run file has"
+            )
+
     def state_dict(self) -> dict[str, Any]:
         # Called as a checkpoint is saved: every row the checkpoint counts as written must be
         # on disk, or a crash before the next flush would leave a gap on resume.
         if self._writer is not None:
             self._writer.flush()
+            self._keep_run_state()
         return {
-            "path": str(self.path),
+            "path": os.path.abspath(self.path),
+            # What proves, on resume, that a file is this run's and holds its rows.
+            "run": self._run_identity.to_dict() if self._run_identity is not None else None,
+            "rows": self._run_rows,
+            "groups": self._run_groups,
             "last_step": self._last_step,
             "last_rows": dict(self._last_rows),
             "disabled": sorted(self._disabled),
@@ -303,6 +348,11 @@ class RecorderBase:
         self._resume_from = dict(self._last_rows)
         self._disabled = set(state_dict.get("disabled", ()))
         self._checkpoint_edits = state_dict.get("model_edits")  # None: an older checkpoint
+        self._checkpoint_path = state_dict.get("path")
+        run = state_dict.get("run")
+        self._run_identity = RunIdentity.from_dict(run) if run is not None else None
+        self._run_rows = state_dict.get("rows")
+        self._run_groups = state_dict.get("groups")
         for probe in self._active():
             probe.load_state_dict(state_dict["probes"].get(probe.name, {}))
 
@@ -318,8 +368,24 @@ class RecorderBase:
             probe.name: self._call(trainer, probe, step, self._declare, probe, default={})
             for probe in self._active()
         }
+        notes: list[str] = []
+        if self._resume_from is not None or trainer.ckpt_path is not None:
+            # Checked again now that the probes declared their series (and, for strategies that
+            # restore a checkpoint after fit start, first now); every rank stops, none hangs.
+            problem = None
+            if trainer.is_global_zero:
+                try:
+                    notes = self._check_continuation(trainer, declared=True)
+                except RunFileError as error:
+                    problem = str(error)
+            problem = trainer.strategy.broadcast(problem)
+            if problem is not None:
+                raise RunFileError(problem)
         if not trainer.is_global_zero:
             return
+        for note in notes:
+            rank_zero_warn(note)
+            self._unwritten_events.append((step, names.EVENT_RECORDER, names.EVENT_WARNING, note))
         # A row of a parameter vector's bytes (a snapshot) is written as it arrives, so the
         # recorder holds no snapshot between steps; smaller rows of small models (under 256 KiB)
         # are gathered into blocks of that size rather than written one HDF5 call each.
@@ -528,24 +594,118 @@ class RecorderBase:
             return probes
         return [p for p in probes if p.name not in self._disabled]
 
-    def _claim_path(self, new_file: bool) -> str | None:
-        """Lock the path for this fit (checking first that a new file may go there); what
-        stands in the way, in one line."""
+    def _claim_path(self, trainer: pl.Trainer) -> str | None:
+        """Lock the path for this fit, checking first what the fit will do with the file
+        there (create it, or continue the checkpoint's run); what stands in the way, in one
+        line."""
         if self._lock is not None or self._writer is not None:
             return None  # claimed already: fit() called again on the same recorder
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)  # as ModelCheckpoint does
-            if new_file:
+            if trainer.ckpt_path is None and self._resume_from is None:
                 RunWriter.check_path(self.path, self.overwrite)
             self._lock = RunLock.acquire(self.path)
-            if self._resume_from is not None:  # refused now, before the fit costs anything
-                RunWriter.check_resumable(self.path, self._resumed_through())
+            # Refused now, before the fit costs anything; a strategy that restores the
+            # checkpoint after fit start is checked at the first batch.
+            if self._resume_from is not None or not trainer.strategy.restore_checkpoint_after_setup:
+                self._check_continuation(trainer, declared=False)
         except (OSError, RunFileError) as error:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
             return str(error)
         return None
+
+    def _check_continuation(self, trainer: pl.Trainer, declared: bool) -> list[str]:
+        """Refuse a fit from a checkpoint that would continue a file wrongly; what it does that
+        a user must hear of (warnings, also recorded as events).
+
+        A resumed fit continues the checkpoint's own run file (identity, rows, probes, and
+        once ``declared``, every series); a fit from a checkpoint without recorder state may
+        start a new file only where none exists, or with ``overwrite``.
+
+        Raises:
+            RunFileError: one line saying why.
+        """
+        if self._resume_from is None:
+            if trainer.ckpt_path is None:
+                return []
+            if self.path.exists() and not self.overwrite:
+                raise RunFileError(
+                    f"{self.path} exists, but the checkpoint {trainer.ckpt_path} holds no "
+                    "DynamicsRecorder state (saved by a fit without the recorder?), "
+                    "so it cannot continue that run file; resume from a checkpoint of the fit "
+                    "that wrote it, or pass overwrite=True to replace it by a new run whose θ0 "
+                    "is the checkpoint's parameters"
+                )
+            RunWriter.check_path(self.path, overwrite=True)
+            return [
+                f"the checkpoint {trainer.ckpt_path} holds no DynamicsRecorder state: "
+                f"{self.path} is a new run file whose θ0 is the parameters at step "
+                f"{trainer.global_step} the checkpoint restored, not the initialization"
+            ]
+        moved = self._checkpoint_path is not None and not _same_path(
+            self._checkpoint_path, self.path
+        )
+        wrote = f" (the checkpoint's fit wrote {self._checkpoint_path})" if moved else ""
+        if moved and self._run_identity is None:
+            raise RunFileError(
+                f"cannot resume {self.path}: the checkpoint's fit wrote "
+                f"{self._checkpoint_path}, and the checkpoint (saved by an older dynamics) "
+                "keeps no run identity that could prove another path holds that run; give the "
+                "recorder the path its fit wrote"
+            )
+        try:
+            note = RunWriter.check_resumable(
+                self.path, self._resumed_through(), self._run_identity, self._run_rows
+            )
+            self._check_probes()
+            if declared:
+                RunWriter.check_layout(self.path, self._series, self._vectors, self._undeclared())
+        except RunFileError as error:
+            raise RunFileError(f"{error}{wrote}") from error
+        notes = [note] if note is not None else []
+        if moved:
+            notes.append(
+                f"{self.path} holds {self._run_identity.describe()} that the checkpoint's "
+                f"fit wrote at {self._checkpoint_path}: the run continues at {self.path}"
+            )
+        return notes
+
+    def _keep_run_state(self) -> None:
+        """Take from the writer what a checkpoint keeps of the run file."""
+        self._run_identity, self._run_rows = self._writer.identity, self._writer.rows
+        self._run_groups = {group: self._owners[group] for group in self._series}
+
+    def _undeclared(self) -> set[str] | None:
+        """The file's series groups this resumed fit may leave undeclared: those of probes
+        out of the run (None: any, for a checkpoint that did not keep who declared what)."""
+        if self._run_groups is None:
+            return None
+        return {g for g, probe in self._run_groups.items() if probe in self._disabled}
+
+    def _check_probes(self) -> None:
+        """Refuse a resume whose probes are not those the run file was recorded with: rows of
+        a probe the file lacks cannot be written (nothing is created under SWMR), and a probe
+        left out would leave its series cut short under a record that says it ran."""
+        recorded = open_run(self.path).attrs.get(names.ATTR_PROBES)
+        if not isinstance(recorded, list):
+            return  # a file from before probes were recorded
+        before = sorted(_probe_label(p.get("class"), p.get("name")) for p in recorded)
+        now = sorted(_probe_label(type(p).__name__, p.name) for p in self.probes)
+        if before != now:
+            added = [p for p in now if p not in before]
+            missing = [p for p in before if p not in now]
+            change = "; ".join(
+                f"{what} {', '.join(probes)}"
+                for what, probes in (("added", added), ("left out", missing))
+                if probes
+            )
+            raise RunFileError(
+                f"cannot resume {self.path}: its run was recorded with the probes "
+                f"{', '.join(before)}, this fit has {', '.join(now)} ({change}); resume with "
+                "the same probes, or record the new ones to a new file"
+            )
 
     def _resumed_through(self) -> dict[str, int]:
         """The last step of each group (and of the events) the checkpoint counts as written."""
@@ -562,6 +722,8 @@ class RecorderBase:
         self._last_rows = {}
         self._disabled = set()
         self._armed = None
+        self._checkpoint_path = self._run_identity = None
+        self._run_rows = self._run_groups = None
 
     def _close(self, trainer: pl.Trainer, state: str, exception: str = "") -> None:
         if self._started:
@@ -573,11 +735,12 @@ class RecorderBase:
                     self._event(trainer, trainer.global_step, probe, names.EVENT_ERROR, message)
         self._started = False
         self._armed = None
-        self._series, self._shapes, self._vectors, self._owners = {}, {}, {}, {}
         self._unwritten_events = []  # a fit that ended before its file existed
         if self._writer is not None:
             self._writer.close(state, exception)
+            self._keep_run_state()  # for a checkpoint saved after the fit
             self._writer = None
+        self._series, self._shapes, self._vectors, self._owners = {}, {}, {}, {}
         if self._lock is not None:  # the fit ended before its file was created
             self._lock.release()
             self._lock = None
@@ -614,6 +777,20 @@ def _edit_settings(edits: list[dict[str, Any]]) -> str:
         )
         or "nothing"
     )
+
+
+def _is_recorder_state(state: Any) -> bool:
+    """Whether a callback state in a checkpoint is a recorder's (of any namespace, any
+    version)."""
+    return isinstance(state, dict) and {"path", "last_step", "last_rows", "probes"} <= state.keys()
+
+
+def _same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _probe_label(cls: Any, name: Any) -> str:
+    return f"{cls}({name!r})"
 
 
 def _shape(value: Any) -> tuple[int, ...]:

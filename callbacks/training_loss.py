@@ -7,9 +7,11 @@ from typing import Any
 
 import torch
 
+from dynamics import world
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.store import names
 from dynamics.store.views import standard_view
+from dynamics.world import Reduce, checked_reduce
 
 
 class TrainingLoss(Probe):
@@ -26,16 +28,25 @@ class TrainingLoss(Probe):
     ``<loss_key>_step`` when it logged on step and epoch), and a warning event says so once. A
     step with neither records NaN, with one warning event for the run.
 
+    Under DDP the row is of the global batch by default (``reduce="global"``): the mean over
+    every rank's micro-batch losses (their sum and count added up across ranks in one
+    collective, with no host sync), the loss whose gradient DDP's averaged step follows;
+    ``reduce="rank0"`` records rank zero's micro-batches alone, with no collective.
+
     Args:
         loss_key: the logged metric that stands in for a loss ``training_step`` did not return.
+        reduce: ``"global"`` (every rank's batch) or ``"rank0"``.
         every_n_steps: recording period in optimizer steps.
     """
 
     name = names.LOSS
 
-    def __init__(self, loss_key: str = "train_loss", every_n_steps: int = 1) -> None:
+    def __init__(
+        self, loss_key: str = "train_loss", reduce: Reduce = "global", every_n_steps: int = 1
+    ) -> None:
         super().__init__(every_n_steps)
         self.loss_key = loss_key
+        self.reduce = checked_reduce(reduce)
         self._losses: list[torch.Tensor] = []  # unscaled, one per micro-batch of the due step
         self._noted: set[str] = set()  # the notes already made: each is made once per run
 
@@ -44,7 +55,12 @@ class TrainingLoss(Probe):
         return {names.LOSS: {names.LOSS_TRAIN: SeriesSpec(view=view)}}
 
     def settings(self) -> dict[str, Any]:
-        return {"loss_key": self.loss_key, "reduction": "mean of unscaled micro-batch losses"}
+        ranks = "every rank's" if self.reduce == "global" else "rank 0's"
+        return {
+            "loss_key": self.loss_key,
+            "reduce": self.reduce,
+            "reduction": f"mean of {ranks} unscaled micro-batch losses",
+        }
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
         self._losses = []
@@ -62,7 +78,14 @@ class TrainingLoss(Probe):
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         if self._losses:
-            loss = torch.stack(self._losses).mean()
+            total = torch.stack(self._losses).sum()
+            count = torch.full_like(total, len(self._losses))
+        else:  # every rank joins the collective, with or without a loss of its own
+            total = count = torch.zeros((), device=_device(pl_module))
+        if self.reduce == "global":
+            total, count = world.all_reduce([total, count])
+        if self._losses or world.is_distributed():
+            loss = total / count  # 0/0 is NaN: no rank had a loss
         else:
             self._note_once(
                 step,
@@ -89,3 +112,8 @@ class TrainingLoss(Probe):
         if message not in self._noted:
             self._noted.add(message)
             self.note(step, message)
+
+
+def _device(module: Any) -> torch.device:
+    parameter = next(module.parameters(), None) if hasattr(module, "parameters") else None
+    return parameter.device if parameter is not None else torch.device("cpu")

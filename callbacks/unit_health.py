@@ -89,23 +89,56 @@ def unit_kind(module: nn.Module) -> UnitKind | None:
     return None
 
 
-def nonfinite_fraction(output: torch.Tensor) -> torch.Tensor:
-    """The fraction of ``output``'s entries that are NaN or ±inf, as a 0-d float32 tensor."""
-    # x − x is +0 for every finite x and NaN for NaN and ±inf; the NaNs become ones.
-    flags = (output - output).nan_to_num_(nan=1.0)
-    return flags.sum(dtype=torch.float32).div_(max(output.numel(), 1))
-
-
 def unit_fraction(output: torch.Tensor, kind: UnitKind, unit_dim: int) -> torch.Tensor:
     """The fraction of units (entries along ``unit_dim``) dead or saturated over every other
     axis of ``output`` (the batch, positions), as a 0-d float32 tensor."""
-    dims = [d for d in range(output.dim()) if d != unit_dim % output.dim()]
+    return unit_fraction_of(unit_extremes(output, kind, unit_dim), kind)
+
+
+def nonfinite_per_position(output: torch.Tensor, feature_dim: int) -> torch.Tensor:
+    """The fraction of NaN and ±inf entries across the features at each position (float32), so
+    that padded positions can be left out before the mean; a 0-D or 1-D output as it is."""
+    flags = (output - output).nan_to_num_(nan=1.0)
+    if output.dim() < 2:
+        return flags.float()
+    return flags.mean(dim=feature_dim, dtype=torch.float32)
+
+
+def unit_extremes(
+    output: torch.Tensor, kind: UnitKind, unit_dim: int, mask: torch.Tensor | None = None
+) -> torch.Tensor | str:
+    """Per unit (entry along ``unit_dim``), the extreme over every other axis that decides it:
+    for dead units the maximum output, for saturated ones minus the least distance from the
+    middle of the bounds. Both combine over micro-batches and ranks by a maximum, and
+    :func:`unit_fraction_of` turns them into the fraction. ``mask`` (batch, positions) leaves
+    padded positions out; where the output's positions do not start with the mask's shape, why.
+    """
+    out = output.movedim(unit_dim, -1)
+    keep = None
+    if mask is not None:
+        positions, m = tuple(out.shape[:-1]), tuple(mask.shape)
+        if positions[: len(m)] == m:
+            keep = mask.reshape(*m, *([1] * (out.dim() - len(m))))
+        elif not (len(positions) < len(m) and positions == m[: len(positions)]):
+            return f"positions of shape {positions} do not start with the mask's shape {m}"
+    if kind.kind == DEAD:
+        values = out
+    else:
+        values = (out - (kind.low + kind.high) / 2).abs_().neg_()
+    if keep is not None:
+        values = values.masked_fill(~keep, float("-inf"))
+    return values.reshape(-1, out.shape[-1]).amax(dim=0)
+
+
+def unit_fraction_of(extremes: torch.Tensor, kind: UnitKind) -> torch.Tensor:
+    """The fraction of dead or saturated units from :func:`unit_extremes` (0-d float32); NaN
+    where any extreme is NaN (a call not measured)."""
     if kind.kind == DEAD:
         # The flat value is the minimum: every entry equals it exactly when the max does.
         # (max + c == 0 is max == −c in the output's own float arithmetic, as forward shifted.)
-        flat = output.amax(dim=dims).add_(-kind.low).eq_(0)
+        flat = extremes.add(-kind.low).eq_(0)
     else:
-        middle, half = (kind.low + kind.high) / 2, (kind.high - kind.low) / 2
-        nearest = (output - middle).abs_().amin(dim=dims)
-        flat = nearest.ge_(half - SATURATION_TOLERANCE)
-    return flat.mean(dtype=torch.float32)
+        half = (kind.high - kind.low) / 2
+        flat = extremes.neg().ge_(half - SATURATION_TOLERANCE)
+    fraction = flat.mean(dtype=torch.float32)
+    return torch.where(extremes.isnan().any(), float("nan"), fraction)

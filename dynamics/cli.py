@@ -524,6 +524,8 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     print(f"{summary['path']}  (run {summary['run_name']}, schema v{summary['schema_version']})")
     print(f"  status {_status_line(summary['status'])}")
+    if summary["diverged_at"] is not None:
+        print(f"  diverged at step {summary['diverged_at']}: its loss or parameters not finite")
     for event in summary["events"]:
         print(f"  event  step {event['step']} {event['probe']} {event['kind']}: {event['message']}")
     for group, info in summary["series"].items():
@@ -673,8 +675,11 @@ def _compare(args: argparse.Namespace) -> int:
                 "--barrier-batch: no loss barrier is evaluated with --barrier-points 0"
             )
         from dynamics.analysis.loss_barrier import load_batch
+        from dynamics.store import open_run, run_files
 
-        barrier_batch = load_batch(args.barrier_batch)
+        # Its size is bounded by the runs' probe batches: they are opened (not read) first.
+        runs = [open_run(path) for path in run_files(args.runs)]
+        barrier_batch = load_batch(args.barrier_batch, runs)
     written = write_comparison(
         args.runs,
         args.output,
@@ -869,7 +874,7 @@ def _audit(args: argparse.Namespace) -> int:
     elif args.input_file is not None:
         from dynamics.analysis.loss_barrier import load_batch
 
-        loaded = load_batch(args.input_file, "--input-file")
+        loaded = load_batch(args.input_file, what="--input-file")
         example, note = _arguments(loaded.batch), f"{args.input_file} (--input-file)"
     elif shape is not None:
         generator = torch.Generator().manual_seed(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from dynamics import world
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_rule import module_loss
 from dynamics.params import ParameterLayout, flatten
@@ -35,9 +35,7 @@ def initial_gradient(
     params = layout.parameters(module)
     with side_effect_free(module, mode):
         gradient = flatten(torch.autograd.grad(module_loss(module, batch), params))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(gradient)
-        gradient /= dist.get_world_size()
+    world.average(gradient)
     if not gradient.isfinite().all():
         raise FloatingPointError("the initial gradient is not finite")
     return gradient

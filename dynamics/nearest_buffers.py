@@ -62,7 +62,11 @@ class NearestBuffers:
             return None
         who = ", ".join(run.name for run in runs)
         layout = runs[0].buffer_layout
-        stored = [[s for s in run.stored_states() if s.buffers is not None] for run in runs]
+        # A diverged run's non-finite states are nearest to nothing (NaN would win argmin).
+        stored = [
+            [s for s in run.stored_states() if s.buffers is not None and np.isfinite(s.theta).all()]
+            for run in runs
+        ]
         if layout is None or not all(stored):
             note = f"{who}: no buffers recorded; the rebuilt model's initial buffers throughout"
             return cls([], BufferLayout((), (), ()), note)

@@ -25,6 +25,11 @@ silently; biases set by ``InitBiases`` are in θ0 already. The rebuilt model's s
 then checked, class and settings, against those recorded: a model edited in other ways after
 it was built (``shift_activations`` called in the training script) is refused, not rebuilt
 unedited.
+
+Init args are data too (a crafted width or depth): the model is first built on the meta
+device, which allocates no memory for its tensors, and refused before it is materialized when
+its parameters are not the run's layout or its tensors need more memory than is free; a
+constructor registering far more submodules than the run recorded is stopped while it runs.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ from dynamics.activations import ShiftedActivation
 from dynamics.batch_tree import unflatten_batch
 from dynamics.bias.shift import shift_activations
 from dynamics.errors import DynamicsError, one_line
-from dynamics.params import load_state
+from dynamics.memory import available_bytes, check_fits
+from dynamics.params import ParameterLayout, load_state
 from dynamics.store import Run, names
 
 
@@ -192,7 +198,10 @@ def rebuild_module(
             raise _missing_init_args(run, target, missing, init_args)
     else:
         args = given
-    module = _built(target, args, f"{run.path.name}: ")
+    where = f"{run.path.name}: "
+    _check_on_meta(run, target, args, where)
+    with _BuildBounds.of(run, where):
+        module = _built(target, args, where)
     # Before θ0 is loaded: a shifted activation holds its φ as a child, under another name.
     _replay_edits(run, module, given_model=bool(model))
     _load_theta0(run, module, args)
@@ -235,6 +244,108 @@ def build_module(model: str, init_args: Mapping[str, Any] | None = None) -> nn.M
         DynamicsError: it cannot be imported or called, or returns no ``torch.nn.Module``.
     """
     return _built(model_target(model), dict(init_args or {}), "")
+
+
+#: How many times the run's recorded submodules a constructor may register: a few modules
+#: built and discarded are usual, orders of magnitude more (a crafted depth) are not the run's.
+_SUBMODULE_SLACK = 4
+
+
+@dataclass
+class _BuildBounds:
+    """Stops a constructor that registers more submodules, or parameters and buffers of more
+    bytes, than the bounds: each registration is counted by torch's global registration hooks,
+    the first past a bound raises inside the constructor, and leaving the block raises the
+    refusal in place of whatever the constructor made of that."""
+
+    where: str
+    recorded_submodules: int | None
+    max_bytes: int
+    submodules: int = 0
+    tensor_bytes: int = 0
+    exceeded: str = ""
+
+    @classmethod
+    def of(cls, run: Run, where: str) -> _BuildBounds:
+        recorded = run.attrs.get(names.ATTR_SUBMODULES)
+        return cls(where, len(recorded) if isinstance(recorded, dict) else None, available_bytes())
+
+    def __enter__(self) -> _BuildBounds:
+        registration = torch.nn.modules.module
+        self._handles = [
+            registration.register_module_module_registration_hook(self._submodule),
+            registration.register_module_parameter_registration_hook(self._tensor),
+            registration.register_module_buffer_registration_hook(self._tensor),
+        ]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        if self.exceeded:
+            raise DynamicsError(self.exceeded) from None
+
+    def _submodule(self, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+        self.submodules += submodule is not None
+        recorded = self.recorded_submodules
+        if recorded is not None and self.submodules > _SUBMODULE_SLACK * recorded + 16:
+            self._stop(
+                f"registers more than {_SUBMODULE_SLACK * recorded + 16} submodules, the run "
+                f"recorded {recorded}"
+            )
+
+    def _tensor(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        if tensor is not None:
+            self.tensor_bytes += tensor.numel() * tensor.element_size()
+        if self.tensor_bytes > self.max_bytes:
+            self._stop(
+                f"needs more than {self.max_bytes / 2**30:,.1f} GiB for its parameters and "
+                "buffers, the memory available"
+            )
+
+    def _stop(self, why: str) -> None:
+        self.exceeded = self.exceeded or (
+            f"{self.where}the model built from these init args {why}; were these the run's "
+            "init args?"
+        )
+        raise MemoryError(self.exceeded)
+
+
+def _check_on_meta(run: Run, target: Any, args: Mapping[str, Any], where: str) -> None:
+    """Build the model on the meta device (no memory for its tensors) and refuse it before it
+    is materialized: when its trainable parameters are not the run's layout, or its parameters
+    and buffers need more memory than is available.
+
+    A model that cannot be built on the meta device (its constructor computes with its
+    tensors) is left to the real build, whose registrations are bounded all the same.
+    """
+    with _BuildBounds.of(run, where), torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                module = _built(target, args, where)
+        except DynamicsError:
+            module = None
+    if module is None or run.layout is None:
+        return
+    built = ParameterLayout.of(module)
+    if built != run.layout:
+        try:
+            run.layout.parameters(module)
+            difference = (
+                f"{len(built.names)} trainable tensors of {built.size:,} parameters, the run's "
+                f"{len(run.layout.names)} of {run.layout.size:,}"
+            )
+        except ValueError as error:
+            difference = str(error)
+        raise DynamicsError(
+            f"{where}the rebuilt model differs from the run's ({difference}); were these its "
+            f"init args? {json.dumps(dict(args), default=str)[:200]}"
+        )
+    tensors = [*module.parameters(), *module.buffers()]
+    check_fits(
+        f"{where}the rebuilt model ({sum(t.numel() for t in tensors):,} values)",
+        sum(t.numel() * t.element_size() for t in tensors),
+    )
 
 
 def _built(target: Any, args: Mapping[str, Any], where: str) -> nn.Module:

@@ -372,13 +372,16 @@ class _Branchy(nn.Module):
         return self.c(h)
 
 
-def test_norms_are_averaged_over_calls_and_a_layer_not_called_reads_nan():
-    """Each call's mean norm, averaged over the step's calls; NaN for a layer not called; and
-    the one-op path of single calls of one shape equals each layer's own mean norm."""
+def test_a_second_call_setup_did_not_count_is_refused_never_averaged():
+    """Set up without a batch the calls cannot be counted: each module has one column, and a
+    module called twice in a forward reads NaN from then on, with one note saying why, rather
+    than the mean of its calls; a layer not called reads NaN; single calls of one shape equal
+    each layer's own mean norm."""
     torch.manual_seed(0)
     model = _Branchy()
     probe = HiddenStateNorms(modules=["a", "b", "c"], activations=False)
     probe.setup(None, model, None)
+    assert probe.series()["hidden_norms"]["norm"].columns == ("a", "b", "c")
 
     def mean_norm(layer, x):
         return torch.linalg.vector_norm(layer(x), dim=-1).mean()
@@ -388,14 +391,17 @@ def test_norms_are_averaged_over_calls_and_a_layer_not_called_reads_nan():
     model(x, twice=True)
     [norms] = probe.on_step_end(None, model, None, None, 0)["hidden_norms"].values()
     h = model.a(x) + model.a(2 * x)
-    assert norms[0] == (mean_norm(model.a, x) + mean_norm(model.a, 2 * x)) / 2
-    assert torch.isnan(norms[1])
-    assert norms[2] == torch.linalg.vector_norm(model.c(h), dim=-1).mean()
+    assert torch.isnan(norms[0]) and torch.isnan(norms[1])
+    assert norms[2].item() == pytest.approx(mean_norm(model.c, h).item(), rel=1e-6)
+    [(_, note)] = probe.pop_notes()
+    assert note.startswith("a: called more than 1 times in one forward")
 
     probe.on_step_start(None, model, None, 1)
     model(x, branch=True)
     [norms] = probe.on_step_end(None, model, None, None, 1)["hidden_norms"].values()
     h = model.a(x) + model.b(x)
-    expected = [mean_norm(model.a, x), mean_norm(model.b, x), mean_norm(model.c, h)]
-    assert torch.equal(norms, torch.stack(expected).detach())
+    assert torch.isnan(norms[0])  # refused for the rest of the run: no gaps that read as data
+    expected = [mean_norm(model.b, x), mean_norm(model.c, h)]
+    assert norms[1:].tolist() == pytest.approx(torch.stack(expected).tolist(), rel=1e-6)
+    assert probe.pop_notes() == []
     probe.teardown()

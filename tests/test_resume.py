@@ -101,20 +101,33 @@ def test_resume_with_every_probe_under_default_checkpoint_loading(tmp_path, quie
         np.testing.assert_array_equal(a.vector(name), b.vector(name), err_msg=name)
 
 
-def test_resume_refuses_a_run_file_that_lost_rows_the_checkpoint_counts(tmp_path, quiet_trainer):
+def test_resume_refuses_another_runs_file_and_one_that_lost_rows(tmp_path, quiet_trainer):
     probes = [TrainingLoss()]
     path = tmp_path / "run.h5"
     fit(tmp_path, path, probes, 8, quiet_trainer=quiet_trainer)
+    kept = tmp_path / "kept.h5"
+    shutil.copy(path, kept)
     other = tmp_path / "other.h5"
-    fit(tmp_path, other, probes, 3, quiet_trainer=quiet_trainer)  # another run, 3 rows
+    fit(tmp_path, other, probes, 3, quiet_trainer=quiet_trainer)  # another run, same θ0
+    checkpoint = tmp_path / "run" / "epoch=4-step=5.ckpt"
     shutil.copy(other, path)
+    before = digest(path)
+    with pytest.raises(RunFileError, match=r"not the file this checkpoint's fit wrote: .*same θ0"):
+        fit(tmp_path, path, probes, 10, checkpoint, quiet_trainer)
+    assert digest(path) == before
+    # The run's own file, cut back to 3 rows: its id is right, its rows are not.
+    shutil.copy(kept, path)
+    with h5py.File(path, "r+") as file:
+        for dataset in file["series/loss"].values():
+            dataset.resize(3, axis=0)
     before = digest(path)
     with pytest.raises(
         RunFileError, match=r"holds rows through step 2 of 'loss'.*step 4 as written"
     ):
-        fit(tmp_path, path, probes, 10, tmp_path / "run" / "epoch=4-step=5.ckpt", quiet_trainer)
+        fit(tmp_path, path, probes, 10, checkpoint, quiet_trainer)
     assert digest(path) == before
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["other.h5", "run.h5"]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == ["kept.h5", "other.h5", "run.h5"]
 
 
 def digest(path):

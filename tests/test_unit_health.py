@@ -168,7 +168,7 @@ CONV = nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU())
 
 
 def test_fractions_match_direct_evaluation_on_a_random_batch():
-    from dynamics.callbacks.unit_health import nonfinite_fraction, unit_fraction, unit_kind
+    from dynamics.callbacks.unit_health import nonfinite_per_position, unit_fraction, unit_kind
 
     generator = torch.Generator().manual_seed(3)
     z = torch.randn(8, 5, 6, generator=generator)
@@ -178,7 +178,9 @@ def test_fractions_match_direct_evaluation_on_a_random_batch():
     expected = (y == 0).all(dim=(0, 1)).float().mean()
     assert unit_fraction(y, kind, -1).item() == expected.item() == pytest.approx(1 / 6)
     y[3, 1, 4] = float("nan")
-    assert nonfinite_fraction(y).item() == pytest.approx(1 / y.numel(), rel=1e-6)
+    per_position = nonfinite_per_position(y, -1)
+    assert per_position.shape == (8, 5) and per_position[3, 1].item() == pytest.approx(1 / 6)
+    assert per_position.mean().item() == pytest.approx(1 / y.numel(), rel=1e-6)
 
 
 class Unplaced(Net):

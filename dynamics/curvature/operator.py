@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dynamics import world
 from dynamics.params import flatten
 
 
@@ -73,7 +73,7 @@ class HessianOperator:
         self.params = list(params)
         _check_params(self.params)
         self._numels = [p.numel() for p in self.params]
-        self._world = dist.get_world_size() if average_across_ranks else 1
+        self._world = world.world_size() if average_across_ranks else 1
         self.n_hvp = 0
         with torch.enable_grad(), twice_differentiable():
             loss = loss_fn()
@@ -129,10 +129,9 @@ class HessianOperator:
     def _mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._world == 1:
             return tensor
-        # ReduceOp.AVG exists for NCCL only; SUM then divide works on every backend and gives
-        # every rank the same bits, so the ranks' iterations never diverge.
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor.div_(self._world)
+        # SUM then divide (world.average) works on every backend and gives every rank the same
+        # bits, so the ranks' iterations never diverge.
+        return world.average(tensor)
 
 
 @contextmanager

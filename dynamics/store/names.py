@@ -11,6 +11,7 @@ ATTR_CONFIG = "config"
 ATTR_VERSIONS = "versions"
 ATTR_LAYOUT = "layout"
 ATTR_THETA0_SHA256 = "theta0_sha256"
+ATTR_RUN_ID = "run_id"  # written when the file is created, kept by resumes: which run it is
 ATTR_FROZEN_SHA256 = "frozen_sha256"  # of the frozen parameters at θ0 (absent: none)
 ATTR_MODULE = "module"  # {"class_path", "init_args": {...}, "unrecorded_init_args": [...]}
 ATTR_BUFFERS = "buffers"  # the persistent buffers' layout: names, shapes, dtypes, unstored
@@ -43,6 +44,7 @@ EVENT_DISABLED = "disabled"  # the probe stepped aside (ProbeUnavailable)
 EVENT_ERROR = "error"  # the probe raised; it is disabled for the rest of the run
 EVENT_WARNING = "warning"  # a note; the probe goes on
 EVENT_WRITER = "writer"  # the probe name of events the writer records about the file itself
+EVENT_RECORDER = "recorder"  # the probe name of events about the fit (how it was resumed)
 
 # Run status: fixed-size datasets updated in place (nothing can be created under SWMR).
 STATUS = "status"

@@ -265,7 +265,9 @@ class Run:
                     else None
                 )
                 theta = snapshots[names.SNAPSHOT_THETA][i]
-                if not np.isfinite(theta).all():
+                # Parameters a diverged training left are data; before it diverged, damage.
+                diverged = self.diverged_at is not None and step >= self.diverged_at
+                if not diverged and not np.isfinite(theta).all():
                     raise RunFileError(
                         f"{self.path}: series/{names.SNAPSHOTS}/{names.SNAPSHOT_THETA} holds "
                         f"non-finite parameters at step {step}"
@@ -405,6 +407,36 @@ class Run:
         ]
         return int(max(last)) + 1 if last else 0
 
+    @cached_property
+    def diverged_at(self) -> int | None:
+        """The step at which training diverged, or None when its measurements say it did not.
+
+        A run diverged when its training measured it: its parameter displacement (a norm of
+        θ_step − θ0) is not finite at some step, or its training loss, finite at first, is not
+        finite from some step to its last row. The step is the first whose loss or stored
+        parameters (displacement, snapshots) are not finite. A NaN loss alone while the
+        parameters stay finite is no divergence (an AMP step skipped, a loss not returned), and
+        non-finite stored parameters that no measurement explains are damage, not divergence.
+        """
+        with _reading(self.path, "its divergence") as file:
+            series = file[SERIES] if SERIES in file else {}
+            displaced = _first_nonfinite_step(series, names.DISPLACEMENT, names.DISPLACEMENT_TOTAL)
+            loss = _nonfinite_to_the_end(series, names.LOSS, names.LOSS_TRAIN)
+            evidence = [step for step in (displaced, loss) if step is not None]
+            if displaced is None and not (loss is not None and self._final_not_finite(file)):
+                return None
+            snapshot = _first_nonfinite_snapshot(series, before=min(evidence))
+        return min(evidence + ([snapshot] if snapshot is not None else []))
+
+    def _final_not_finite(self, file: h5py.File) -> bool:
+        """Whether θT is stored with its step and is not finite."""
+        vectors = file[VECTORS] if VECTORS in file else {}
+        if names.THETA_FINAL not in vectors or names.THETA_FINAL_STEP not in vectors:
+            return False
+        step = vectors[names.THETA_FINAL_STEP][...]
+        stored = step.dtype.kind in "fc" and not np.isnan(step).all()
+        return stored and not np.isfinite(vectors[names.THETA_FINAL][...]).all()
+
     @property
     def theta0_sha256(self) -> str | None:
         """The recorded hash of θ0, or None when the run did not record it."""
@@ -505,6 +537,13 @@ class Run:
         if unfilled:
             return None
         if name in PARAMETER_VECTORS and not np.isfinite(value).all():
+            if name == names.THETA_FINAL and self.diverged_at is not None:
+                return value  # what a diverged training left: data, not damage
+            if np.isnan(value).all():  # θT with its step (else unfilled above)
+                raise RunFileError(
+                    f"{self.path}: vectors/{name} is unwritten (NaN) though its step is stored, "
+                    "and no recorded loss or displacement shows the run diverged"
+                )
             bad = int((~np.isfinite(value)).sum())
             raise RunFileError(
                 f"{self.path}: vectors/{name} holds {bad} non-finite entries of {value.size}"
@@ -570,6 +609,11 @@ class Run:
                 for name, shape in self._vector_shapes.items()
                 if not _unwritten(file, name, file[VECTORS][name][:1])
             }
+            final_start = (
+                file[VECTORS][names.THETA_FINAL][:1] if names.THETA_FINAL in vectors else ()
+            )
+        if not np.isfinite(final_start).all():
+            self.vector(names.THETA_FINAL)  # a NaN θT is a diverged run's, or damage: refused
         for group, (rows, first, last) in spans.items():
             series[group] = {
                 "rows": rows,
@@ -582,6 +626,7 @@ class Run:
             "schema_version": self.attrs.get("schema_version"),
             "run_name": self.name,
             "status": self.status().to_dict(),
+            "diverged_at": self.diverged_at,
             "events": [dataclasses.asdict(event) for event in self.events()],
             "series": series,
             "vectors": vectors,
@@ -821,17 +866,62 @@ def _vector_shape(path: Path, name: str, dataset: Any, size: int | None) -> tupl
 
 def _unwritten(file: h5py.File, name: str, value: np.ndarray) -> bool:
     """Whether a vector (or its leading entries ``value``) was declared but never written:
-    NaN throughout. θT is written with its step, so a NaN θT whose step is stored is damage.
+    NaN throughout. θT is written with its step, so a NaN θT whose step is stored was written:
+    by a diverged training (data) or not at all (damage), which :meth:`Run.vector` tells apart.
     """
     if value.dtype.kind not in "fc" or not value.size or not np.isnan(value).all():
         return False
     if name == names.THETA_FINAL and names.THETA_FINAL_STEP in file[VECTORS]:
         step = file[VECTORS][names.THETA_FINAL_STEP][...]
-        if step.dtype.kind in "fc" and not np.isnan(step).all():
-            raise RunFileError(
-                f"{file.filename}: {VECTORS}/{name} is unwritten (NaN) though its step is stored"
-            )
+        return not (step.dtype.kind in "fc" and not np.isnan(step).all())
     return True
+
+
+def _first_nonfinite_step(series: Any, group: str, name: str) -> int | None:
+    """The first step of the group's complete rows whose ``name`` is not finite, if any."""
+    if group not in series or name not in series[group]:
+        return None
+    step, values = _complete_column(series[group], name)
+    bad = ~np.isfinite(values)
+    return int(step[np.argmax(bad)]) if bad.any() else None
+
+
+def _nonfinite_to_the_end(series: Any, group: str, name: str) -> int | None:
+    """The first step of the final stretch of rows whose ``name`` is not finite, when it
+    follows a finite row: a measurement that went non-finite and stayed so."""
+    if group not in series or name not in series[group]:
+        return None
+    step, values = _complete_column(series[group], name)
+    finite = np.flatnonzero(np.isfinite(values))
+    if not finite.size or finite[-1] == len(values) - 1:
+        return None
+    return int(step[finite[-1] + 1])
+
+
+def _first_nonfinite_snapshot(series: Any, before: int) -> int | None:
+    """The first step before ``before`` whose stored snapshot is not finite, read one row at
+    a time (snapshots can hold gigabytes)."""
+    if names.SNAPSHOTS not in series or names.SNAPSHOT_THETA not in series[names.SNAPSHOTS]:
+        return None
+    group = series[names.SNAPSHOTS]
+    step = group[STEP][:]
+    n = _complete_rows(step, [d.shape[0] for key, d in group.items() if key != STEP])
+    theta = group[names.SNAPSHOT_THETA]
+    bfloat16 = theta.attrs.get(names.ATTR_ENCODING) == BFLOAT16
+    for i in np.flatnonzero(step[:n] < before):
+        row = theta[i]
+        # bfloat16 is stored as its bits: all exponent bits set is an infinity or a NaN.
+        finite = (row & 0x7F80) != 0x7F80 if bfloat16 else np.isfinite(row)
+        if not finite.all():
+            return int(step[i])
+    return None
+
+
+def _complete_column(group: h5py.Group, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(step, values)`` of one series' complete rows, its group's other series unread."""
+    step = group[STEP][:]
+    n = _complete_rows(step, [d.shape[0] for key, d in group.items() if key != STEP])
+    return step[:n], _values(group[name])[:n]
 
 
 def _open(path: Path) -> h5py.File:

@@ -9,8 +9,12 @@ records how the run ended.
 What a file on disk says is true whatever stops the writer:
 
 - One live writer per path (:class:`~dynamics.store.lock.RunLock`), and a new file is laid out
-  under a temporary name and renamed over the old one only once it exists, so an overwrite never
-  destroys a file before its replacement is made (a reader holding the old file keeps reading it).
+  under a temporary name, opened there for SWMR writing, and only then renamed over the old one,
+  so the path holds the old file or the new one, each readable, at every instant: an overwrite
+  or a resume never destroys a file before its replacement is made and open (a reader holding
+  the old file keeps reading it).
+- Each file gets a run id when it is created (kept by resumes); with θ0's hash it is the file's
+  :class:`RunIdentity`, which a checkpoint keeps so that resuming proves the file is its own.
 - A row counts once its step is written, and steps are written only after their values are on
   disk (HDF5 writes cached chunks in its own order, so writing values first is not enough): a
   flush cut short, by a kill or a full disk, leaves rows without steps, which readers skip.
@@ -25,14 +29,16 @@ What a file on disk says is true whatever stops the writer:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
 import socket
 import sys
 import time
+import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any
@@ -61,6 +67,66 @@ from dynamics.store.schema import (
 #: block append of a snapshot series does not rewrite megabytes.
 _CHUNK_BYTES = 1 << 20
 
+#: Suffixes of the names a run file is laid out under before it is renamed into place.
+_CREATING, _RESUMING = ".creating", ".resuming"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunIdentity:
+    """What tells one run file from another: the id written when it was created and θ0's hash.
+
+    A checkpoint keeps the identity of the file its fit wrote, so that a resume can refuse a
+    file replaced by another run and follow the run to another path. Files from before run ids
+    have none, and are told apart by θ0's hash alone (runs sharing θ0 then look alike).
+    """
+
+    run_id: str | None
+    theta0_sha256: str | None
+
+    @classmethod
+    def of(cls, attrs: Mapping[str, Any]) -> RunIdentity:
+        """The identity recorded in a run file's root attributes."""
+        return cls(attrs.get(names.ATTR_RUN_ID), attrs.get(names.ATTR_THETA0_SHA256))
+
+    def to_dict(self) -> dict[str, str | None]:
+        """Plain values, as a checkpoint stores them."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> RunIdentity:
+        return cls(state.get("run_id"), state.get("theta0_sha256"))
+
+    def describe(self) -> str:
+        """``run <id>``, or ``θ0 <hash>`` for a file from before run ids, shortened."""
+        if self.run_id is not None:
+            return f"run {str(self.run_id)[:12]}"
+        return f"the run of θ0 {str(self.theta0_sha256)[:12]}" if self.theta0_sha256 else "no id"
+
+    def mismatch(self, found: RunIdentity) -> str | None:
+        """Why ``found`` (a file's identity) is not this one (a checkpoint's); None if it is.
+
+        The run id decides when the checkpoint's file had one; else θ0's hash does.
+        """
+        if self.run_id is not None:
+            if found.run_id == self.run_id:
+                return None
+        elif self.theta0_sha256 is None or found.theta0_sha256 == self.theta0_sha256:
+            return None
+        theta0 = "same θ0" if found.theta0_sha256 == self.theta0_sha256 else "another θ0"
+        return f"it holds {found.describe()} ({theta0}), not {self.describe()} of the checkpoint"
+
+
+def _new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _reached(point: str) -> None:
+    """Mark a named point of laying out, reopening and renaming a run file; does nothing.
+
+    A hook for tests only (tests/test_kill_windows.py): a test replaces this function in a
+    writer process to kill it at ``point`` and checks that the path still holds a readable run.
+    """
+
 
 class RunWriter:
     """Appends rows to a run file whose series and vectors were declared when it was created.
@@ -68,7 +134,8 @@ class RunWriter:
     Use :meth:`create` for a new run and :meth:`resume` to continue one from a checkpoint.
 
     Args:
-        file: an open ``h5py.File`` already laid out (internal; use the constructors).
+        file: an open ``h5py.File`` already laid out and in SWMR mode (internal; use the
+            constructors).
         path: the run file's path (the file may have been laid out under another name).
         lock: this writer's lock on ``path``, released when it closes.
         block_rows: buffered rows of a group that trigger writing that group.
@@ -95,8 +162,8 @@ class RunWriter:
         flush_interval_s: float = 5.0,
     ):
         self._file = file
-        self._file.swmr_mode = True
         self._path = path
+        self._identity = RunIdentity.of({k: v for k, v in file.attrs.items()})
         self._lock = lock
         self.block_rows = block_rows
         self.block_bytes = block_bytes
@@ -129,6 +196,16 @@ class RunWriter:
         return self._path
 
     @property
+    def identity(self) -> RunIdentity:
+        """The run file's identity, for a checkpoint to keep."""
+        return self._identity
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """Rows written so far per series group (after :meth:`flush`, every row appended)."""
+        return dict(self._rows)
+
+    @property
     def stopped(self) -> bool:
         """Whether recording stopped because the file could not be written."""
         return self._stopped
@@ -146,8 +223,9 @@ class RunWriter:
     ) -> RunWriter:
         """Create a run file holding the declared series groups and vectors.
 
-        The file is laid out under a temporary name beside ``path`` and renamed to ``path`` once
-        complete, so an existing file is replaced only by a complete new one.
+        The file is laid out under a temporary name beside ``path``, opened there for SWMR
+        writing and renamed to ``path`` only then, so an existing file is replaced only by a
+        complete new one that readers can open. It gets a new run id (:class:`RunIdentity`).
 
         Args:
             path: the run file to create.
@@ -169,13 +247,13 @@ class RunWriter:
             if STEP in specs:  # every group's step index has that name
                 raise ValueError(f"series group {group!r} declares a series named {STEP!r}")
         lock = lock or RunLock.acquire(path)
-        staging = path.with_name(path.name + ".creating")
+        staging = path.with_name(path.name + _CREATING)
         try:
             # Laid out in memory and written in one piece: a disk that refuses it fails one
             # plain write, where HDF5 would fail at the close of each object it made.
             staging.write_bytes(_image(series, vectors, attrs))
-            file = h5py.File(staging, "r+", libver=LIBVER)
-            os.replace(staging, path)  # the open file follows its new name
+            _reached("staged")
+            file = _open_in_place(staging, path)
         except BaseException as error:
             staging.unlink(missing_ok=True)
             lock.release()
@@ -219,7 +297,9 @@ class RunWriter:
 
         Events are kept through ``through_steps[names.EVENTS]`` likewise. The file is rewritten
         through a SWMR read, which also recovers a file whose writer was killed (HDF5 refuses to
-        reopen those for writing); its status continues (start time, wall time so far).
+        reopen those for writing), under a temporary name that is opened for SWMR writing
+        before it replaces ``path``; its status continues (start time, wall time so far), and
+        its run id with it (a file from before run ids gets one).
 
         Raises:
             RunFileError: the file is refused by :meth:`check_resumable` (it is left untouched),
@@ -229,21 +309,30 @@ class RunWriter:
         lock = lock or RunLock.acquire(path)
         try:
             cls.check_resumable(path, through_steps)
-            cls._copy_through(path, through_steps)
-            return cls(h5py.File(path, "r+", libver=LIBVER), path, lock, **kwargs)
+            return cls(cls._copy_through(path, through_steps), path, lock, **kwargs)
         except BaseException:
             lock.release()
             raise
 
     @staticmethod
-    def check_resumable(path: str | os.PathLike, through_steps: Mapping[str, int]) -> None:
+    def check_resumable(
+        path: str | os.PathLike,
+        through_steps: Mapping[str, int],
+        identity: RunIdentity | None = None,
+        rows: Mapping[str, int] | None = None,
+    ) -> str | None:
         """Refuse, reading only, a file that :meth:`resume` would continue wrongly.
 
         The file must be a whole run file (a file shorter than its HDF5 superblock records
         reads zeros for its lost end, which would come back as rows, and SWMR reads of it retry
-        for minutes) holding every row the checkpoint counts as written: each group of
-        ``through_steps`` has a row at its step (else it is another run's file, or one that
-        lost rows).
+        for minutes), the checkpoint's own (its ``identity``, when the checkpoint kept one) and
+        hold every row the checkpoint counts as written: each group of ``through_steps`` has a
+        row at its step, and ``rows[group]`` rows through it (else it is another run's file,
+        or one that lost rows).
+
+        Returns:
+            What could not be proven, in one line for a warning (a file from before run ids,
+            known by θ0's hash only; a checkpoint that kept no identity), or None.
 
         Raises:
             RunFileError: one line saying why; the file is not touched.
@@ -254,27 +343,83 @@ class RunWriter:
         _check_whole(path)
         try:
             run = open_run(path)
-            for group, step in through_steps.items():
-                if group == names.EVENTS or step == UNWRITTEN_STEP:
-                    continue
-                rows = run.recorded(group)
-                steps = [] if rows is None else rows.step
-                if step not in steps:
-                    last = f"rows through step {steps[-1]}" if len(steps) else "no row"
-                    raise RunFileError(
-                        f"{path} holds {last} of {group!r}, but the checkpoint counts its rows "
-                        f"through step {step} as written: not the file this checkpoint's fit "
-                        "wrote, or one that lost rows"
-                    )
+            found = RunIdentity.of(run.attrs)
+            if identity is not None and (mismatch := identity.mismatch(found)) is not None:
+                raise RunFileError(
+                    f"{path} is not the file this checkpoint's fit wrote: {mismatch} "
+                    "(replaced by another run after the checkpoint?)"
+                )
+            _check_rows(path, through_steps, rows)
         except RunFileError as error:
             raise RunFileError(f"cannot resume: {error}") from error
+        if identity is None:
+            return (
+                f"the checkpoint keeps no run identity (saved by an older dynamics): {path} is "
+                "taken as its run file on its rows alone"
+            )
+        if identity.run_id is None:
+            return (
+                f"{path} has no run id (written by an older dynamics): it is taken as the "
+                "checkpoint's run file on θ0's hash and its rows (runs sharing θ0 look alike); "
+                "the resumed file gets a run id"
+            )
+        return None
 
     @staticmethod
-    def _copy_through(path: Path, through_steps: Mapping[str, int]) -> None:
-        staging = path.with_name(path.name + ".resuming")
+    def check_layout(
+        path: str | os.PathLike,
+        series: Mapping[str, Mapping[str, Any]],
+        vectors: Mapping[str, Any],
+        undeclared: Collection[str] | None = None,
+    ) -> None:
+        """Refuse a file to resume that does not hold every declared series and vector as
+        declared (same names, row shapes and dtypes), or holds series groups not declared.
+
+        A resumed fit appends the rows its probes declare: a group the file lacks would end
+        the fit at the next flush (nothing can be created in a file under SWMR), rows of
+        another shape or series would mix two measurements in one series, and a group left
+        undeclared would end at the checkpoint as if its probe had stopped there.
+
+        Args:
+            undeclared: groups the file may hold that are not declared (those of a probe
+                disabled before the checkpoint); None: any.
+
+        Raises:
+            RunFileError: one line naming each group, series or vector that differs.
+        """
+        path = Path(path)
+        differences = []
+        try:
+            with h5py.File(path, "r", swmr=True) as file:
+                stored = file.get(SERIES, {})
+                differences += [
+                    f"series group {group!r} (in the file, not declared)"
+                    for group in stored
+                    if group not in series and undeclared is not None and group not in undeclared
+                ]
+                for group, specs in series.items():
+                    if group not in stored:
+                        differences.append(f"series group {group!r} (not in the file)")
+                        continue
+                    found = {n: d for n, d in stored[group].items() if n != STEP}
+                    differences += _differences(f"{group}/", specs, found, rows=True)
+                differences += _differences("vector ", vectors, dict(file.get(VECTORS, {})))
+        except OSError as error:
+            raise RunFileError(f"cannot resume {path}: {_reason(error)}") from error
+        if differences:
+            raise RunFileError(
+                f"cannot resume {path}: this fit's probes declare what the file does not hold "
+                f"so: {'; '.join(differences)}; resume with the probes (and settings) of the fit "
+                "that wrote it, or record the new ones to a new file"
+            )
+
+    @staticmethod
+    def _copy_through(path: Path, through_steps: Mapping[str, int]) -> h5py.File:
+        staging = path.with_name(path.name + _RESUMING)
         try:
             _copy_file_through(path, staging, through_steps)
-            os.replace(staging, path)
+            _reached("copied")
+            return _open_in_place(staging, path)
         except BaseException as error:
             staging.unlink(missing_ok=True)
             if isinstance(error, (OSError, KeyError)):
@@ -447,6 +592,8 @@ def _copy_file_through(path: Path, staging: Path, through_steps: Mapping[str, in
     with h5py.File(path, "r", swmr=True) as old, h5py.File(staging, "w", libver=LIBVER) as new:
         for key, value in old.attrs.items():
             new.attrs[key] = value
+        if names.ATTR_RUN_ID not in new.attrs:  # a file from before run ids
+            new.attrs[names.ATTR_RUN_ID] = _new_run_id()
         last_step = UNWRITTEN_STEP
         for group_name, group in old.get(SERIES, {}).items():
             steps = _copy_rows(
@@ -470,6 +617,84 @@ def _copy_file_through(path: Path, staging: Path, through_steps: Mapping[str, in
             wall_time_s=_scalar(status, names.STATUS_WALL_TIME, 0.0),
             last_step=last_step,
         )
+
+
+def _check_rows(
+    path: Path, through_steps: Mapping[str, int], rows: Mapping[str, int] | None
+) -> None:
+    """Refuse a file lacking the row of a group at its step of ``through_steps``, or holding
+    other than ``rows[group]`` rows through it. Reads the steps only: a snapshot group's
+    values can be gigabytes."""
+    try:
+        with h5py.File(path, "r", swmr=True) as file:
+            stored = file.get(SERIES, {})
+            for group, step in through_steps.items():
+                if group == names.EVENTS or step == UNWRITTEN_STEP:
+                    continue
+                steps = stored[group][STEP][:] if group in stored else np.array([], np.int64)
+                valid = steps[steps != UNWRITTEN_STEP]
+                kept = _rows_through(stored[group], step) if len(valid) else 0
+                if not kept or steps[kept - 1] != step:
+                    last = f"rows through step {valid[-1]}" if len(valid) else "no row"
+                    raise RunFileError(
+                        f"{path} holds {last} of {group!r}, but the checkpoint counts its rows "
+                        f"through step {step} as written: not the file this checkpoint's fit "
+                        "wrote, or one that lost rows"
+                    )
+                if rows is not None and group in rows and kept != rows[group]:
+                    raise RunFileError(
+                        f"{path} holds {kept} rows of {group!r} through step {step}, but the "
+                        f"checkpoint counted {rows[group]}: not the file this checkpoint's fit "
+                        "wrote, or one whose rows changed"
+                    )
+    except OSError as error:
+        raise RunFileError(f"{path}: {_reason(error)}") from error
+
+
+def _differences(
+    prefix: str, specs: Mapping[str, Any], found: Mapping[str, Any], rows: bool = False
+) -> list[str]:
+    """How declared datasets (``specs``) differ from a file's (``found``), one phrase each.
+
+    For declared series (``rows``) every dataset of the group must be declared too; the file
+    may hold vectors nothing declares now (written once, never appended to).
+    """
+    differences = [f"{prefix}{name} (not in the file)" for name in specs if name not in found]
+    if rows:
+        differences += [f"{prefix}{name} (not declared)" for name in found if name not in specs]
+    for name in specs.keys() & found.keys():
+        spec, dataset = specs[name], found[name]
+        shape = dataset.shape[1:] if rows else dataset.shape
+        if shape != tuple(spec.shape) or dataset.dtype != np.dtype(_stored(spec.dtype)):
+            differences.append(
+                f"{prefix}{name} (declared {tuple(spec.shape)} {spec.dtype}, "
+                f"the file's {shape} {dataset.dtype})"
+            )
+    return sorted(differences)
+
+
+def _open_in_place(staging: Path, path: Path) -> h5py.File:
+    """Open the laid-out file ``staging`` for SWMR writing, then rename it to ``path``.
+
+    A file opened for writing is marked so in its superblock, and HDF5 then refuses every open
+    but a SWMR read, which needs the SWMR mark too: a writer killed between the two leaves a
+    file nothing opens. Both happen under the staging name, so ``path`` holds the old file or
+    the new one, each readable, at every instant. Leftovers of an earlier create or resume of
+    ``path`` that was killed go once the new file is in place.
+    """
+    file = h5py.File(staging, "r+", libver=LIBVER)
+    try:
+        _reached("opened")
+        file.swmr_mode = True
+        _reached("swmr")
+        os.replace(staging, path)  # the open file follows its new name
+    except BaseException:
+        file.close()
+        raise
+    _reached("renamed")
+    for suffix in (_CREATING, _RESUMING):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    return file
 
 
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -561,6 +786,7 @@ def _lay_out(
     file.attrs["schema_version"] = SCHEMA_VERSION
     for key, value in attrs.items():
         file.attrs[key] = encode_attr(value)
+    file.attrs[names.ATTR_RUN_ID] = _new_run_id()  # a new file is a new run, whatever attrs say
     for group, specs in series.items():
         _create_group(file.require_group(SERIES).create_group(group), specs)
     for name, spec in vectors.items():
