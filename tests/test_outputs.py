@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import h5py
 import numpy as np
@@ -273,3 +274,26 @@ def test_a_page_on_a_full_disk_is_one_line_and_leaves_the_old_page(full_disk):
         write_atomically(page, "x" * 64 * 1024)
     assert page.read_text() == "old"
     assert sorted(os.listdir(full_disk)) == ["filler", "page.html"]
+
+
+def test_a_plane_killed_mid_grid_leaves_the_old_grid_and_the_next_cleans_up(demo_copy, tmp_path):
+    from tests.conftest import DYNAMICS
+
+    out = tmp_path / "k.html"
+    args = [DYNAMICS, "plane", *map(str, demo_copy), "-o", str(out), "--processes", "1"]
+    args += ["--no-progress"]
+    first = subprocess.run([*args, "--grid", "3"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    grid = out.with_suffix(".plane.h5")
+    page, complete = out.read_bytes(), grid.read_bytes()
+    plane = subprocess.Popen([*args, "--grid", "41", "--overwrite"], stderr=subprocess.PIPE)
+    while not list(tmp_path.glob(".k.plane.h5.*")):  # its grid is being written
+        assert plane.poll() is None, plane.stderr.read()
+        time.sleep(0.01)
+    plane.kill()
+    plane.wait()
+    assert out.read_bytes() == page and grid.read_bytes() == complete
+    assert len(list(tmp_path.glob(".k.plane.h5.*"))) == 1  # what the kill left
+    again = subprocess.run([*args, "--grid", "3", "--overwrite"], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.html", "k.plane.h5", "runs"]
