@@ -175,7 +175,7 @@ def _train_variant(
 
 def fit_interruptibly(trainer: pl.Trainer, built: Built) -> None:
     """Fit ``built`` with ``trainer``; Ctrl-C raises KeyboardInterrupt once the fit has shut
-    down (its recorder has closed the run file as interrupted).
+    down (its recorder has closed the run file: crashed, by KeyboardInterrupt).
 
     Lightning turns an interrupt into ``sys.exit(1)`` after its own shutdown: the command would
     end with status 1 and say nothing, as if it had failed.

@@ -291,7 +291,8 @@ def _parallel(
                     name=f"dynamics {variant} seed {seed}",
                 )
                 # A child starts with Ctrl-C ignored (the disposition survives its exec), so an
-                # interrupt while it imports is no traceback; _child takes Ctrl-C up itself.
+                # interrupt while it imports is no traceback; _child takes Ctrl-C up itself. A
+                # child that got it ends with INTERRUPTED, so one lost here still stops all.
                 previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
                 try:
                     process.start()
