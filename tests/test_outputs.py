@@ -297,3 +297,26 @@ def test_a_plane_killed_mid_grid_leaves_the_old_grid_and_the_next_cleans_up(demo
     again = subprocess.run([*args, "--grid", "3", "--overwrite"], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k.html", "k.plane.h5", "runs"]
+
+
+def test_report_and_compare_refuse_a_run_file_a_fifo_or_a_link_as_output(
+    demo_copy, dynamics, one_line_error
+):
+    unshifted, shifted = demo_copy
+    folder = unshifted.parent
+    os.mkfifo(folder / "fifo.html")
+    (folder / "out.html").symlink_to("/proc/self/fd/1")
+    before = {p: _node(p) for p in folder.iterdir()}
+    contents = {p: p.read_bytes() for p in (unshifted, shifted)}
+    cases = [
+        (["report", unshifted, "-o", shifted], "HDF5 file (a run file?)"),
+        (["compare", unshifted, unshifted, "-o", shifted], "HDF5 file (a run file?)"),
+        (["report", unshifted, "-o", folder / "fifo.html"], "not a regular file"),
+        (["compare", unshifted, shifted, "-o", folder / "out.html"], "symbolic link"),
+    ]
+    for args, message in cases:
+        result = dynamics(*args, "--overwrite")
+        one_line_error(result)
+        assert message in result.stderr, result.stderr
+    assert {p: _node(p) for p in folder.iterdir()} == before
+    assert {p: p.read_bytes() for p in (unshifted, shifted)} == contents
