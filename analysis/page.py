@@ -7,6 +7,7 @@ atomically, and their figures can also be exported as PNG or SVG files through k
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import re
@@ -20,7 +21,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from dynamics.analysis.output import write_atomically
+from dynamics.analysis.output import PAGE, check_existing_output, replacing, write_atomically
 from dynamics.errors import DynamicsError
 
 __all__ = [
@@ -156,9 +157,8 @@ def _static_targets(
     if not folder.is_dir() and not folder.parent.is_dir():
         raise DynamicsError(f"folder {folder.parent} does not exist")
     targets = [folder / f"{name}.{fmt}" for name, _ in figures]
-    existing = [t for t in targets if t.exists()]
-    if existing and not overwrite:
-        raise DynamicsError(f"{existing[0]} exists; pass --overwrite to replace it")
+    for target in targets:
+        check_existing_output(target, overwrite, kind=PAGE)
     return targets
 
 
@@ -172,12 +172,14 @@ def _static_export(figures: Sequence[tuple[str, go.Figure]], targets: list[Path]
 
     try:
         targets[0].parent.mkdir(exist_ok=True)
-        pio.write_images(
-            [figure for _, figure in figures],
-            targets,
-            width=_STATIC_WIDTH,
-            height=[figure.layout.height or _STATIC_HEIGHT for _, figure in figures],
-        )
+        with contextlib.ExitStack() as files:  # each beside its target, renamed into place
+            pio.write_images(
+                [figure for _, figure in figures],
+                [files.enter_context(replacing(target)) for target in targets],
+                format=targets[0].suffix.lstrip("."),
+                width=_STATIC_WIDTH,
+                height=[figure.layout.height or _STATIC_HEIGHT for _, figure in figures],
+            )
     # kaleido reports a browser that will not start through several exception types of its
     # own; the HTML is written by now and must stand, so any of them becomes a skip message.
     except Exception as error:

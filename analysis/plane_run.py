@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from dynamics.analysis.output import check_output
+from dynamics.analysis.output import PLANE_GRID_SCHEMA, check_output, claimed
 from dynamics.analysis.plane_report import write_plane_html
 from dynamics.analysis.plane_views import (
     ChosenPlane,
@@ -113,7 +113,7 @@ def write_plane(
     Args:
         run_a: the first run (its initial gradient gives u on the gradient planes).
         run_b: the second run.
-        out_path: the HTML file; the views' data go to the same name with ``.h5``.
+        out_path: the HTML file; the views' data go beside it, to :func:`grid_path` of it.
         overwrite: replace existing outputs.
         plane: one of :data:`~dynamics.analysis.plane_views.PLANE_CHOICES`.
         grid_side: grid points per axis.
@@ -133,7 +133,8 @@ def write_plane(
             (see :func:`~dynamics.rebuild.rebuild_module`).
 
     Raises:
-        DynamicsError: ``processes`` below 1, an output that may not be written, a run file
+        DynamicsError: ``processes`` below 1, an output that may not be written (or that
+            another process is writing: the outputs are claimed until written), a run file
             that cannot be read, two runs that cannot share the plane asked for, a model that
             cannot be rebuilt (unless the other run stored its views in training: then the
             page says which heatmaps are missing and why), or a worker process that failed.
@@ -145,47 +146,69 @@ def write_plane(
         raise DynamicsError(f"--coarse must be between 2 and --grid ({grid_side}), got {coarse}")
     inputs = (run_a, run_b)
     html = check_output(out_path, overwrite, inputs)
-    results = check_output(html.with_suffix(".h5"), overwrite, inputs)
-    runs = [open_run(path) for path in inputs]
-    init_args = run_init_args(init_args, inputs)
-    chosen = choose_plane(*runs, plane, grid_side)  # every input check before models are rebuilt
-    stored = {r.name: s for r in runs if (s := stored_views(r, chosen.plane)) is not None}
-    surfaces, remarks = {}, [f"plane: {chosen.reason}"]
-    remarks += [
-        f"{note}: its trajectory ends at its last finite checkpoint; no out-of-plane view"
-        for note in chosen.diverged.values()
-    ]
-    for run in runs:
-        if run.name in stored:
-            continue
-        try:
-            surfaces[run.name] = rebuilt_surface(run, model, init_args, trust_recorded_model)
-        except MissingInitArgs:
-            raise  # the user's input to complete, even where the other run stored its views
-        except DynamicsError as error:
-            if not stored:
-                raise DynamicsError(f"{error}{_stored_elsewhere(runs, plane, grid_side)}") from None
-            remarks.append(f"no heatmaps of {run.name}: {error}")
-    job = _Job(
-        runs, chosen, surfaces, stored, grid_side, margin, coarse, progress, html, results, remarks
-    )
-    if processes == 1 or not surfaces:
-        return PlaneWritten(html, results, _evaluate_share(0, job), remarks)
-    import torch.multiprocessing as mp
+    results = check_output(grid_path(html), overwrite, inputs, kind=PLANE_GRID_SCHEMA)
+    with claimed([html, results]):  # until written: a second plane to them is refused
+        runs = [open_run(path) for path in inputs]
+        init_args = run_init_args(init_args, inputs)
+        # every input check before models are rebuilt
+        chosen = choose_plane(*runs, plane, grid_side)
+        stored = {r.name: s for r in runs if (s := stored_views(r, chosen.plane)) is not None}
+        surfaces, remarks = {}, [f"plane: {chosen.reason}"]
+        remarks += [
+            f"{note}: its trajectory ends at its last finite checkpoint; no out-of-plane view"
+            for note in chosen.diverged.values()
+        ]
+        for run in runs:
+            if run.name in stored:
+                continue
+            try:
+                surfaces[run.name] = rebuilt_surface(run, model, init_args, trust_recorded_model)
+            except MissingInitArgs:
+                raise  # the user's input to complete, even where the other run stored its views
+            except DynamicsError as error:
+                if not stored:
+                    raise DynamicsError(
+                        f"{error}{_stored_elsewhere(runs, plane, grid_side)}"
+                    ) from None
+                remarks.append(f"no heatmaps of {run.name}: {error}")
+        job = _Job(
+            runs,
+            chosen,
+            surfaces,
+            stored,
+            grid_side,
+            margin,
+            coarse,
+            progress,
+            html,
+            results,
+            remarks,
+        )
+        if processes == 1 or not surfaces:
+            return PlaneWritten(html, results, _evaluate_share(0, job), remarks)
+        import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as folder:
-        try:  # fork: the workers share the rebuilt models and read the runs themselves
-            mp.start_processes(
-                _evaluate_share,
-                args=(job, Path(folder), processes),
-                nprocs=processes,
-                start_method="fork",
-            )
-        except mp.ProcessRaisedException as error:
-            last = str(error).strip().splitlines()[-1]
-            raise DynamicsError(f"plane evaluation failed in a worker: {last}") from None
-        notes = json.loads((Path(folder) / "notes.json").read_text())
-    return PlaneWritten(html, results, notes, remarks)
+        with tempfile.TemporaryDirectory() as folder:
+            try:  # fork: the workers share the rebuilt models and read the runs themselves
+                mp.start_processes(
+                    _evaluate_share,
+                    args=(job, Path(folder), processes),
+                    nprocs=processes,
+                    start_method="fork",
+                )
+            except mp.ProcessRaisedException as error:
+                last = str(error).strip().splitlines()[-1]
+                raise DynamicsError(f"plane evaluation failed in a worker: {last}") from None
+            notes = json.loads((Path(folder) / "notes.json").read_text())
+        return PlaneWritten(html, results, notes, remarks)
+
+
+def grid_path(html: Path) -> Path:
+    """Where ``dynamics plane -o html`` writes its grids: ``X.plane.h5`` beside ``X.html``.
+
+    Not ``X.h5``: that name is a run file's, and ``-o runs/C.html`` would replace ``runs/C.h5``.
+    """
+    return html.with_suffix(".plane.h5")
 
 
 def _stored_elsewhere(runs: list[Run], plane: str, grid_side: int) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from dynamics.analysis.output import PLANE_GRID_SCHEMA, replacing
 from dynamics.errors import DynamicsError
 from dynamics.landscape import (
     LossSurface,
@@ -384,12 +385,14 @@ def points_to_evaluate(views: list[PlaneView]) -> int:
 def views_file(views: list[PlaneView], path: Path, remarks: list[str]) -> Iterator[ViewRowsDone]:
     """Write the views' planes, grids and trajectories now, their heatmaps as rows come.
 
-    Yields the function that writes a chunk of a heatmap's rows (and flushes the file), so an
-    interrupted evaluation leaves its finished rows on disk; heatmap entries not evaluated read
-    as NaN, and the root attribute ``complete`` is true only once the block exits normally.
+    Yields the function that writes a chunk of a heatmap's rows (and flushes the file). The
+    file is written beside ``path`` and renamed into place when the block ends
+    (:func:`~dynamics.analysis.output.replacing`); an interrupted evaluation leaves its finished
+    rows at ``path`` only where no file was (heatmap entries not evaluated read as NaN, and the
+    root attribute ``complete`` is true only once the block exits normally).
     """
-    with h5py.File(path, "w") as file:
-        file.attrs.update(complete=False, remarks=json.dumps(remarks))
+    with replacing(path, keep_unfinished=True) as temporary, h5py.File(temporary, "w") as file:
+        file.attrs.update(schema=PLANE_GRID_SCHEMA, complete=False, remarks=json.dumps(remarks))
         for index, view in enumerate(views):
             group = file.create_group(f"view{index}")
             group.attrs.update(

@@ -1,7 +1,8 @@
 """The ``dynamics`` command line.
 
 Exit codes: 0 on success, 2 on bad input (one line on stderr, nothing a user has overwritten)
-or output that cannot be written (a full disk), 141 when a reader stops early (``| head``).
+or output that cannot be written (a full disk), 130 on Ctrl-C (one line), 141 when a reader
+stops early (``| head``).
 Every option is checked before any file is read or created.
 """
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from dynamics.rebuild import RunInitArgs
 
 USAGE_ERROR = 2
+#: A shell's status of a command stopped by Ctrl-C (128 + SIGINT).
+INTERRUPTED = 130
 #: A shell's status of a command whose reader went away (128 + SIGPIPE).
 BROKEN_PIPE = 141
 #: The largest seed or step count: what a 64-bit signed integer holds.
@@ -46,11 +49,10 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dynamics`` console script."""
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, as reports show it
     stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
-    try:
+    try:  # parsing too: Ctrl-C while the parser loads is one line like any other
+        args = _build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, as reports show
         code = args.handler(args)
         sys.stdout.flush()  # a full disk fails here, not in the interpreter's exit
         return code
@@ -59,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     except KeyboardInterrupt:
         print("dynamics: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except _StdoutFailed as failed:
         _discard(stdout)
         if isinstance(failed.error, BrokenPipeError):

@@ -506,7 +506,7 @@ def test_plane_of_a_script_model_replays_its_shift(tmp_path, dynamics):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    with h5py.File(tmp_path / "plane.h5") as views:
+    with h5py.File(tmp_path / "plane.plane.h5") as views:
         view = views["view1"]
         for name in ("shifted", "plain"):
             loss = view[f"trajectory/{name}"]["loss"][-1]

@@ -104,4 +104,4 @@ def test_plane_of_runs_with_collinear_initial_gradients_is_one_line(
     result = dynamics("plane", tmp_path / "first.h5", tmp_path / "again.h5", "-o", out)
     one_line_error(result)  # nor do their endpoints give the fallback plane a direction
     assert "collinear" in result.stderr and "endpoints coincide" in result.stderr
-    assert not out.exists() and not out.with_suffix(".h5").exists()
+    assert not out.exists() and not out.with_suffix(".plane.h5").exists()

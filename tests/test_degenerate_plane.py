@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dynamics import open_run
+from dynamics.analysis.plane_run import grid_path
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,
@@ -91,7 +92,7 @@ def test_a_partner_of_the_same_gradient_keeps_g0_and_the_probe_batch(tmp_path, c
         out = tmp_path / f"{name}.html"
         code, err = cli(capsys, "plane", a, path, "-o", out, "--no-progress", *model)
         assert code == 0, err
-        with h5py.File(out.with_suffix(".h5")) as views:
+        with h5py.File(grid_path(out)) as views:
             grids[name] = [views[v]["losses"][:] for v in sorted(views)]
     assert len(grids["alone"]) == len(grids["partnered"]) > 0
     for partnered, alone_grid in zip(grids["partnered"], grids["alone"]):

@@ -142,7 +142,7 @@ def test_plane_command_writes_views_matching_direct_losses(demo, dynamics, tmp_p
     module = rebuild_module(run)
     layout = ParameterLayout.of(module)
     batch = probe_batch(run)
-    with h5py.File(tmp_path / "plane.h5") as views:
+    with h5py.File(tmp_path / "plane.plane.h5") as views:
         view = views["view1"]  # the initial-gradient plane under the shifted student's loss
         assert view.attrs["run"] == "shifted"
         alphas, betas, losses = view["alphas"][:], view["betas"][:], view["losses"][:]
@@ -204,6 +204,6 @@ def test_plane_grids_split_across_processes_equal_one_process(demo, dynamics, tm
             "plane", *runs, "-o", out, "--grid", "5", "--no-progress", "--processes", processes
         )
         assert result.returncode == 0, result.stderr
-    with h5py.File(tmp_path / "p1.h5") as one, h5py.File(tmp_path / "p2.h5") as two:
+    with h5py.File(tmp_path / "p1.plane.h5") as one, h5py.File(tmp_path / "p2.plane.h5") as two:
         for view in one:
             np.testing.assert_array_equal(one[view]["losses"][:], two[view]["losses"][:])

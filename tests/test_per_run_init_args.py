@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dynamics import open_run
+from dynamics.analysis.plane_run import grid_path
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,
@@ -106,7 +107,7 @@ def test_plane_rebuilds_each_run_with_its_own_args(runs, tmp_path, capsys):
     common += ["--grid", "3", "--processes", "1", "--no-progress"]
     code, err = cli(capsys, *common, *per_run(runs))
     assert code == 0, err
-    with h5py.File(out.with_suffix(".h5")) as views:
+    with h5py.File(grid_path(out)) as views:
         checked = 0
         for view in views.values():
             run = open_run(runs[view.attrs["run"]])

@@ -174,7 +174,7 @@ def test_plane_command_draws_views_evaluated_in_training_without_the_model(
     page = out.read_text()
     assert "evaluated in the training process at the end of fit (eval mode" in page
     run = open_run(folder / "b.h5")
-    with h5py.File(tmp_path / "plane.h5") as views:
+    with h5py.File(tmp_path / "plane.plane.h5") as views:
         assert [views[v].attrs["run"] for v in views] == ["b", "b"]
         assert views.attrs["complete"]
         for index, view in enumerate(names.PLANE_END_VIEWS):
@@ -230,7 +230,7 @@ def test_coinciding_gradients_fall_back_to_the_gradient_endpoint_plane(
     assert "plane: initial gradients coincide" in result.stdout
     assert "initial gradients coincide" in out.read_text()
     ends = [open_run(p).vector("theta_final").astype(np.float64) for p in (slow, fast)]
-    with h5py.File(tmp_path / "auto.h5") as views:
+    with h5py.File(tmp_path / "auto.plane.h5") as views:
         view = views["view0"]
         assert view.attrs["kind"] == "gradient-endpoints"
         u, v = view["u"][:], view["v"][:]
@@ -252,7 +252,7 @@ def test_plane_choices_reach_the_pca_and_random_planes(
         "plane", slow, fast, "-o", out, "--grid", "3", "--no-progress", "--plane", choice
     )
     assert result.returncode == 0, result.stderr
-    with h5py.File(tmp_path / "p.h5") as views:
+    with h5py.File(tmp_path / "p.plane.h5") as views:
         assert (
             views["view0"].attrs["kind"] == kind and views["view2"].attrs["kind"] == "out-of-plane"
         )
@@ -293,7 +293,7 @@ def test_an_interrupted_grid_keeps_its_finished_rows(two_learning_rates, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         write_plane(*two_learning_rates, tmp_path / "cut.html", grid_side=5, processes=1)
     assert not (tmp_path / "cut.html").exists()
-    with h5py.File(tmp_path / "cut.h5") as cut, h5py.File(tmp_path / "full.h5") as full:
+    with h5py.File(tmp_path / "cut.plane.h5") as cut, h5py.File(tmp_path / "full.plane.h5") as full:
         assert not cut.attrs["complete"] and full.attrs["complete"]
         np.testing.assert_array_equal(cut["view0"]["losses"][:3], full["view0"]["losses"][:3])
         assert np.isnan(cut["view0"]["losses"][3:]).all()
@@ -338,7 +338,10 @@ def test_coarse_to_fine_refines_only_near_the_trajectories(two_learning_rates, d
     full = dynamics("plane", *runs[:2], "-o", tmp_path / "full.html", *runs[2:])
     refined = dynamics("plane", *runs[:2], "-o", tmp_path / "fine.html", *runs[2:], "--coarse", "9")
     assert full.returncode == 0 and refined.returncode == 0, refined.stderr
-    with h5py.File(tmp_path / "full.h5") as whole, h5py.File(tmp_path / "fine.h5") as fine:
+    with (
+        h5py.File(tmp_path / "full.plane.h5") as whole,
+        h5py.File(tmp_path / "fine.plane.h5") as fine,
+    ):
         for name in whole:
             view, reference = fine[name], whole[name]
             done = np.isfinite(view["losses"][:])

@@ -17,7 +17,7 @@ from typing import Any
 from dynamics.analysis.claims import ClaimResult, evaluate_claims
 from dynamics.analysis.group_compare import write_group_comparison
 from dynamics.analysis.groups import compare_groups, directory_groups, load_groups
-from dynamics.analysis.output import check_output
+from dynamics.analysis.output import check_existing_output, check_output
 from dynamics.analysis.page import Written
 from dynamics.analysis.reproduction_page import ExperimentRecord, write_reproduction
 from dynamics.errors import DynamicsError
@@ -140,13 +140,10 @@ def reproduce(
     loaded = [(stage, *_load(stage, Path(configs), steps, seeds)) for stage in chosen]
     report = out_dir / REPORT
     for path in (report, report.with_suffix(".json")):
-        if path.exists() and not overwrite:
-            raise DynamicsError(f"{path} exists; pass --overwrite to replace it")
+        check_existing_output(path, overwrite)
     for stage, experiment, config in loaded:
         check_outputs(experiment, config, out_dir / stage.key, overwrite)
-        comparison = out_dir / stage.key / COMPARISON
-        if comparison.exists() and not overwrite:
-            raise DynamicsError(f"{comparison} exists; pass --overwrite to replace it")
+        check_existing_output(out_dir / stage.key / COMPARISON, overwrite)
     records, groups, failures = [], {}, []
     reasons = {stage.key: "left out by --only" for stage in plan if stage not in chosen}
     for stage, experiment, config in loaded:

@@ -13,6 +13,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from dynamics.analysis.output import check_existing_output
 from dynamics.callbacks import DynamicsRecorder
 from dynamics.errors import DynamicsError
 from dynamics.experiments.config import ExperimentConfig
@@ -61,16 +62,17 @@ def run_experiment(
     one keeps the failed run's record).
 
     Raises:
-        DynamicsError: an output exists and ``overwrite`` is false, or another run is writing
+        DynamicsError: an output exists and ``overwrite`` is false, or may not be replaced at
+            all (a link, a special file), or another run is writing
             one (checked for every variant before any trains, so nothing is half-replaced), or
             the variants' θ0 differ.
     """
     out_dir = Path(out_dir)
     variants = experiment.variants(config)
     paths = {name: out_dir / f"{name}.h5" for name in variants}
+    for path in paths.values():
+        check_existing_output(path, overwrite, kind=None)  # the writer checks a run's content
     existing = [p for p in paths.values() if p.exists()]
-    if existing and not overwrite:
-        raise DynamicsError(f"{existing[0]} exists; pass --overwrite to replace it")
     new_folders = [f for f in (out_dir, *out_dir.parents) if not f.exists()]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +152,7 @@ def _train_variant(
         run_name=name,
         flush_interval_s=recording.flush_interval_s,
     )
-    trainer_for(config, [recorder], progress).fit(built.module, built.data)
+    fit_interruptibly(trainer_for(config, [recorder], progress), built)
     run = open_run(path)
     train, heldout = run.train_loss(), run.heldout_loss()
     best = _best(heldout)
@@ -169,6 +171,21 @@ def _train_variant(
             if heldout is None or key != heldout.name
         },
     )
+
+
+def fit_interruptibly(trainer: pl.Trainer, built: Built) -> None:
+    """Fit ``built`` with ``trainer``; Ctrl-C raises KeyboardInterrupt once the fit has shut
+    down (its recorder has closed the run file: crashed, by KeyboardInterrupt).
+
+    Lightning turns an interrupt into ``sys.exit(1)`` after its own shutdown: the command would
+    end with status 1 and say nothing, as if it had failed.
+    """
+    try:
+        trainer.fit(built.module, built.data)
+    except SystemExit:
+        if trainer.interrupted:
+            raise KeyboardInterrupt from None
+        raise
 
 
 def trainer_for(

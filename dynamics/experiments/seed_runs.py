@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import random
+import signal
 import sys
 import time
 import traceback
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from dynamics.analysis.groups import overtaking_step
+from dynamics.analysis.output import check_existing_output, write_atomically
 from dynamics.errors import DynamicsError
 from dynamics.experiments import runner
 from dynamics.experiments.config import ExperimentConfig
@@ -153,7 +155,9 @@ def run_seeds(
         _release(locks)
     failures += _theta0_failures(results, config.seeds)
     summary = summarize(experiment, config, results, failures, out_dir)
-    _write_json(summary_path, summary)
+    write_atomically(
+        summary_path, json.dumps(summary, indent=2, allow_nan=False, default=str) + "\n"
+    )
     return GroupResult(results, failures, summary, summary_path)
 
 
@@ -164,12 +168,16 @@ def check_outputs(
     :func:`run_seeds` checks them before anything trains.
 
     Raises:
-        DynamicsError: a run file or the summary exists and ``overwrite`` is false, or a
-            variant folder holds a seed file outside ``config.seeds``.
+        DynamicsError: a run file or the summary exists and ``overwrite`` is false, or may not
+            be replaced at all (a link, a special file:
+            :func:`~dynamics.analysis.output.check_existing_output`), or a variant folder holds
+            a seed file outside ``config.seeds``.
     """
     variants = list(experiment.variants(config))
     paths = {(v, s): run_path(out_dir, v, s) for s in config.seeds or () for v in variants}
-    _check_outputs([*paths.values(), out_dir / SUMMARY], overwrite)
+    for path in paths.values():
+        check_existing_output(path, overwrite, kind=None)  # the writer checks a run's content
+    check_existing_output(out_dir / SUMMARY, overwrite)
     _check_group_folders(out_dir, variants, set(paths.values()))
     return paths
 
@@ -215,12 +223,6 @@ def _seed_globals(seed: int) -> None:
     np.random.seed(np.random.SeedSequence(seed).generate_state(1)[0])
 
 
-def _check_outputs(paths: list[Path], overwrite: bool) -> None:
-    existing = [p for p in paths if p.exists()]
-    if existing and not overwrite:
-        raise DynamicsError(f"{existing[0]} exists; pass --overwrite to replace it")
-
-
 def _check_group_folders(out_dir: Path, variants: list[str], ours: set[Path]) -> None:
     """Refuse a variant folder holding another group's seeds: a reader of the folder (the
     grouped compare) would take them for this group's."""
@@ -257,6 +259,12 @@ def _serial(
     return results, failures
 
 
+#: The exit status of a run interrupted by Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+#: How long interrupted child runs get to close their run files before they are terminated.
+_INTERRUPT_GRACE_S = 10.0
+
+
 def _parallel(
     experiment: Experiment,
     config: ExperimentConfig,
@@ -282,7 +290,14 @@ def _parallel(
                     args=(send, experiment, seed_config(config, seed), variant, paths[run]),
                     name=f"dynamics {variant} seed {seed}",
                 )
-                process.start()
+                # A child starts with Ctrl-C ignored (the disposition survives its exec), so an
+                # interrupt while it imports is no traceback; _child takes Ctrl-C up itself. A
+                # child that got it ends with INTERRUPTED, so one lost here still stops all.
+                previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+                try:
+                    process.start()
+                finally:
+                    signal.signal(signal.SIGINT, previous)
                 send.close()  # the child holds the other end: its exit ends the pipe
                 active[receive] = (run, process, time.monotonic())
             for receive in wait(list(active)):
@@ -297,12 +312,17 @@ def _parallel(
                     results[variant, seed] = outcome
                 elif isinstance(outcome, RunFailure):
                     failures.append(outcome)
+                elif process.exitcode == INTERRUPTED:
+                    raise KeyboardInterrupt  # Ctrl-C reached the child: the whole group stops
                 else:
                     failures.append(
                         RunFailure(variant, seed, f"its process died ({_exit(process.exitcode)})")
                     )
                 done = len(results) + len(failures)
                 _report(progress, done, len(runs), variant, seed, start, failures)
+    except KeyboardInterrupt:
+        _interrupt([process for _, process, _ in active.values()])
+        raise
     finally:
         for _, process, _ in active.values():
             process.terminate()
@@ -310,17 +330,34 @@ def _parallel(
     return results, failures
 
 
+def _interrupt(processes: list[Any]) -> None:
+    """Pass Ctrl-C on to ``processes`` (a terminal sends it to all of them, ``kill -INT`` to
+    the parent alone) and give them :data:`_INTERRUPT_GRACE_S` to close their run files."""
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + _INTERRUPT_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
 def _child(
     send: Connection, experiment: Experiment, config: ExperimentConfig, variant: str, path: Path
 ) -> None:
-    torch.set_num_threads(config.threads)
-    runner.quiet_lightning()
     try:
-        outcome: Any = train_run(experiment, config, variant, path, progress=False)
-    except Exception as error:
-        outcome = _failure(variant, config.seed, error)
-    send.send(outcome)
-    send.close()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # started ignoring it
+        torch.set_num_threads(config.threads)
+        runner.quiet_lightning()
+        try:
+            outcome: Any = train_run(experiment, config, variant, path, progress=False)
+        except Exception as error:
+            outcome = _failure(variant, config.seed, error)
+        send.send(outcome)
+        send.close()
+    except KeyboardInterrupt:
+        # The parent says "interrupted" once; a traceback from every child would bury it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.exit(INTERRUPTED)
 
 
 def _failure(variant: str, seed: int, error: Exception) -> RunFailure:
@@ -463,18 +500,6 @@ def _stats(values: dict[int, float | None]) -> dict[str, Any]:
 
 def _json_number(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else value
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` under a temporary name, then rename it over ``path``."""
-    partial = path.with_name(path.name + ".partial")
-    try:
-        partial.write_text(json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")
-        partial.replace(path)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            partial.unlink()
-        raise DynamicsError(f"cannot write {path}: {error.strerror}") from None
 
 
 def _release(locks: dict[tuple[str, int], RunLock]) -> None:

@@ -23,6 +23,10 @@ from dynamics.store.schema import RunFileError
 LOCK_EXIT_PRIORITY = 0
 
 
+class LockHeld(RunFileError):
+    """Another live process holds the lock (as opposed to a lock file that cannot be made)."""
+
+
 class RunLock:
     """Exclusive ownership of a run file's path by this process, until :meth:`release`.
 
@@ -37,17 +41,24 @@ class RunLock:
         )
 
     @classmethod
-    def acquire(cls, run_file: str | os.PathLike) -> RunLock:
+    def acquire(cls, run_file: str | os.PathLike, writer: str = "run") -> RunLock:
         """Lock ``run_file`` for writing, or refuse in one line if a live writer holds it.
 
+        Args:
+            run_file: the file to own (a run file, or any output a command writes).
+            writer: what the other holder is called in the refusal ("another run").
+
         Raises:
-            RunFileError: another live process holds the lock, or the lock file cannot be made.
+            LockHeld: another live process holds the lock.
+            RunFileError: the lock file cannot be made or written (a full disk: it is removed
+                again); the OSError is the cause.
         """
         run_file = Path(run_file)
         path = run_file.with_name(run_file.name + ".lock")
         for _ in range(3):
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                # never through a link: a planted one would truncate its target
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as error:
                 raise RunFileError(f"cannot lock {run_file}: {error.strerror}") from error
             try:
@@ -55,16 +66,15 @@ class RunLock:
             except BlockingIOError:
                 owner = _owner(fd)
                 os.close(fd)
-                raise RunFileError(
-                    f"{run_file} is being written by another run ({owner}); "
+                raise LockHeld(
+                    f"{run_file} is being written by another {writer} ({owner}); "
                     "wait for it to end or choose another path"
                 ) from None
             # The previous owner removes the lock file as it releases it: a lock taken on a file
             # already removed guards nothing, so take the one now at the path instead.
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    os.ftruncate(fd, 0)
-                    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+                    _name_owner(path, fd, run_file)
                     return cls(path, fd)
             os.close(fd)
         raise RunFileError(f"cannot lock {run_file}: its lock file {path} keeps being replaced")
@@ -72,6 +82,17 @@ class RunLock:
     def release(self) -> None:
         """Give the path up (a second call does nothing)."""
         self._release()
+
+
+def _name_owner(path: Path, fd: int, run_file: Path) -> None:
+    """Write this process's name into the lock file it holds; on a write the disk refuses (a
+    full disk), give the lock up again, so no empty lock file is left behind."""
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    except OSError as error:
+        _unlock(path, fd, os.getpid())
+        raise RunFileError(f"cannot lock {run_file}: {error.strerror or error}") from error
 
 
 def _owner(fd: int) -> str:
