@@ -208,7 +208,7 @@ def test_plane_through_a_model_file_matches_direct_evaluation(bn_runs, dynamics,
     thetas = np.stack([s.theta for s in states]).astype(np.float64)
     rebuilt = rebuild_module(run, model=model)
     layout = ParameterLayout.of(rebuilt)
-    with h5py.File(folder / "plane.h5") as views:
+    with h5py.File(folder / "plane.plane.h5") as views:
         view = views["view1"]  # the initial-gradient plane under the fast run's model
         assert view.attrs["run"] == "fast"
         assert "nearest to it in parameter space" in view.attrs["buffers"]
