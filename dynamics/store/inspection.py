@@ -61,18 +61,19 @@ def inspect_file(file: h5py.File, path: Path) -> None:
     Raises:
         RunFileError: one line naming the object and what is wrong.
     """
-    links: list[tuple[str, Any]] = []
+    paths: list[str] = []
 
-    def collect(name: str, link: Any) -> Any:
-        links.append((name, link))
-        return True if len(links) > MAX_LINKS else None  # anything but None stops the walk
+    def collect(name: bytes) -> Any:
+        paths.append(name.decode(errors="replace"))
+        return True if len(paths) > MAX_LINKS else None  # anything but None stops the walk
 
-    file.visititems_links(collect)  # H5Lvisit: every link once, none followed
-    if len(links) > MAX_LINKS:
+    file.id.links.visit(collect)  # H5Lvisit: every link once, descending hard links only
+    if len(paths) > MAX_LINKS:
         raise RunFileError(f"{path}: holds more than {MAX_LINKS} objects, not a run file")
     _check_attrs(file, "/", path)
     unwritten = stored = 0
-    for name, link in links:
+    for name in paths:
+        link = file.get(name, getlink=True)  # the link itself, not what it names
         if isinstance(link, h5py.ExternalLink):
             raise RunFileError(
                 f"{path}: /{name} links to another file ({link.filename}); a run file holds "
