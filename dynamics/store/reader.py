@@ -2,6 +2,8 @@
 
 A run still being written, or whose writer was killed, is read in SWMR mode (HDF5 refuses a
 plain open of such a file); a finished one is opened plainly, which also detects truncation.
+Every open is bounded in time (:mod:`dynamics.store.opening`) and the file inspected before any
+of its data is read (:mod:`dynamics.store.inspection`): a run file is untrusted data.
 """
 
 from __future__ import annotations
