@@ -352,6 +352,18 @@ def _unwritten_vector(name: str, shape: tuple[int, ...], chunks: bool) -> Mutati
     return lambda path: _edit(path, change)
 
 
+def _wide_empty_series(name: str, width: int) -> Mutation:
+    """A series of no rows whose rows would hold ``width`` entries (nothing to store, but
+    each entry is named and drawn)."""
+
+    def change(file: h5py.File) -> None:
+        file.create_dataset(
+            S + name, shape=(0, width), maxshape=(None, width), dtype="float32", chunks=(1, width)
+        )
+
+    return lambda path: _edit(path, change)
+
+
 def _huge_gzip_chunk(path: Path) -> None:
     """``series/loss/train``: its values in one gzip chunk of 256 MiB (about 250 KiB stored),
     written as compressed bytes so that making it costs no memory."""
@@ -435,6 +447,7 @@ UNTRUSTED: dict[str, tuple[Mutation, str | None]] = {
         None,
     ),
     "chunk_gzip_256mib": (_huge_gzip_chunk, "has chunks of"),
+    "row_of_2_28_columns": (_wide_empty_series("hidden_norms/wide", 1 << 28), "has rows of"),
     "run_name_20mb": (_set_attr("run_name", "x" * 20_000_000), "attribute 'run_name' holds"),
     "config_20mb": (
         _set_attr("config", json.dumps({"k": "x" * 20_000_000})),

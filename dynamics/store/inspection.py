@@ -15,6 +15,7 @@ walking the file's links once without following any:
   than the file has (plus that margin, for a file a full disk cut short). A vector never
   written is not allocated at all; readers treat it as unwritten without reading it
   (:func:`allocated`);
+- series: rows of at most :data:`MAX_ROW_ENTRIES` entries, or θ0's when it is larger;
 - attributes: scalars (the writer stores structured ones as JSON text), short text ones of at
   most :data:`MAX_TEXT_ATTR_BYTES`, the others of at most :data:`MAX_ATTR_BYTES`.
 
@@ -30,13 +31,16 @@ import h5py
 import numpy as np
 
 from dynamics.store import names
-from dynamics.store.schema import RunFileError
+from dynamics.store.schema import SERIES, VECTORS, RunFileError
 
 #: Bytes of one chunk: the writer's chunks are at most 1 MiB (or one row of a larger series).
 MAX_CHUNK_BYTES = 4 << 20
 #: Bytes a file may declare beyond those it stores, over all its datasets: what a writer killed
 #: between HDF5's metadata and raw-data writes leaves (a block of rows per group, at most).
 MAX_UNWRITTEN_BYTES = 256 << 20
+#: Entries of one row of a series, unless θ0 on disk shows a model of more parameters (a
+#: snapshot row holds every parameter): a row's entries are named, drawn and tabled one by one.
+MAX_ROW_ENTRIES = 1 << 24
 #: Links (groups, datasets) a file may hold: far more than any run's series and vectors.
 MAX_LINKS = 100_000
 #: Attributes that are a name or a hash, not a structure.
@@ -71,6 +75,7 @@ def inspect_file(file: h5py.File, path: Path) -> None:
     if len(paths) > MAX_LINKS:
         raise RunFileError(f"{path}: holds more than {MAX_LINKS} objects, not a run file")
     _check_attrs(file, "/", path)
+    row_limit = max(MAX_ROW_ENTRIES, _stored_parameters(file))
     unwritten = stored = 0
     for name in paths:
         link = file.get(name, getlink=True)  # the link itself, not what it names
@@ -84,6 +89,13 @@ def inspect_file(file: h5py.File, path: Path) -> None:
         item = file[name]
         _check_attrs(item, name, path)
         if isinstance(item, h5py.Dataset):
+            if name.startswith(f"{SERIES}/") and item.ndim > 1:
+                entries = int(np.prod(item.shape[1:], dtype=np.float64))
+                if entries > row_limit:
+                    raise RunFileError(
+                        f"{path}: /{name} has rows of {entries} entries, more than the run has "
+                        f"parameters or a row may hold ({row_limit})"
+                    )
             unwritten += _unwritten_bytes(item, name, path)
             stored += item.id.get_storage_size()
     if stored > path.stat().st_size + MAX_UNWRITTEN_BYTES:
@@ -96,6 +108,15 @@ def inspect_file(file: h5py.File, path: Path) -> None:
             f"{path}: declares {unwritten / 2**20:.0f} MiB more than it stores, beyond what a "
             f"killed writer leaves ({MAX_UNWRITTEN_BYTES >> 20} MiB): damaged or crafted"
         )
+
+
+def _stored_parameters(file: h5py.File) -> int:
+    """The entries of θ0 when its bytes are in the file (0 otherwise): the model's size, known
+    from data rather than from the attribute that declares the layout."""
+    theta0 = file.get(f"{VECTORS}/{names.THETA0}")
+    if isinstance(theta0, h5py.Dataset) and theta0.ndim == 1 and allocated(theta0):
+        return theta0.shape[0]
+    return 0
 
 
 def allocated(dataset: h5py.Dataset) -> bool:
