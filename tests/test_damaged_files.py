@@ -407,3 +407,16 @@ def test_a_live_runs_later_reads_retry_like_its_open(real_runs, tmp_path):
     path.write_bytes(b"\x89HDF\r\n")  # modified now: a live file, unreadable for a moment
     threading.Timer(0.3, shutil.copyfile, (real_runs[1], path)).start()
     assert run.status().state == names.FINISHED
+
+
+def test_a_file_replaced_after_its_open_is_inspected_again(real_runs, tmp_path):
+    """Each read opens the file anew, and each open inspects it: a run file swapped for one
+    that keeps its data in another file is refused on the next read, not read."""
+    path = tmp_path / "run.h5"
+    shutil.copyfile(real_runs[1], path)
+    run = open_run(path)
+    (tmp_path / "crafted").mkdir()
+    crafted = make_damaged(real_runs[1], "external_storage_text", tmp_path / "crafted")
+    shutil.copyfile(crafted, path)
+    with pytest.raises(DynamicsError, match="external storage"):
+        run.series(names.LOSS)

@@ -683,7 +683,6 @@ def _read(path: Path, what: str, read: Callable[[h5py.File], _T]) -> _T:
 
 def _read_run(path: Path) -> Run:
     with _reading(path, "it") as file:
-        inspect_file(file, path)  # before any data or attribute is read
         attrs = _root_attrs(file, path)
         layout = attrs.get(names.ATTR_LAYOUT)
         size = layout_size(layout) if isinstance(layout, dict) else None
@@ -706,9 +705,12 @@ def _read_run(path: Path) -> Run:
 
 @contextlib.contextmanager
 def _reading(path: Path, what: str) -> Iterator[h5py.File]:
-    """The file open for reading, any failure of HDF5 or of its layout turned into one line."""
+    """The file open for reading and inspected, before any of its data is read (at every open:
+    the file at the path may have been replaced since), any failure of HDF5 or of its layout
+    turned into one line."""
     try:
         with _open(path) as file:
+            inspect_file(file, path)
             yield file
     except RunFileError:
         raise
