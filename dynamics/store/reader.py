@@ -959,7 +959,7 @@ def _complete_column(group: h5py.Group, name: str) -> tuple[np.ndarray, np.ndarr
     """``(step, values)`` of one series' complete rows, its group's other series unread."""
     step = group[STEP][:]
     n = _complete_rows(step, [d.shape[0] for key, d in group.items() if key != STEP])
-    return step[:n], _values(group[name])[:n]
+    return step[:n], _values(group[name], n)
 
 
 def _open(path: Path) -> h5py.File:
