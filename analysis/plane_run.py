@@ -230,6 +230,8 @@ def rebuilt_surface(
     try:  # once at θ0, so a batch the model cannot take is one line, not a worker's
         if theta0 is not None:
             surface.loss(theta0)
+    except LossUnavailable as error:  # the model, not the batch (a step that reads self.trainer)
+        raise DynamicsError(f"{run.path.name}: {error}") from None
     # KeyError and AttributeError: a dict or object batch without what the step reads.
     except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as error:
         raise BatchRefused(

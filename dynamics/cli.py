@@ -742,6 +742,8 @@ def _print_written(written: Written) -> int:
         print(f"wrote {len(written.static_files)} figures into {written.static_files[0].parent}")
     if written.static_skipped:
         print(f"dynamics: {written.static_skipped}", file=sys.stderr)
+    if written.skipped:
+        print(f"dynamics: {written.skipped}", file=sys.stderr)
     return 0
 
 
