@@ -1,0 +1,132 @@
+"""Views that misled (issue 22 items 12 and 13): the barrier column, the crossover of sparse
+evaluations, log-axis tick labels, the plane page's run colours, and plane_path of several runs."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from dynamics.analysis import figures
+from dynamics.analysis.compare import crossing_text
+from dynamics.analysis.comparison import crossover
+from dynamics.analysis.loss_barrier import Barriers, LinePath, _barrier_html
+from dynamics.analysis.plane_report import checkpoint_loss_figure, heatmap_figure
+from dynamics.errors import DynamicsError
+from dynamics.store import RunWriter, SeriesSpec
+
+
+def test_a_line_that_only_falls_has_no_barrier_and_the_other_definition_is_labelled():
+    alphas = np.linspace(0, 1, 5)
+    falling = LinePath("θ0 → θT (a)", "a", False, alphas, 3.0 - 2.0 * alphas, "probe batch")
+    page = _barrier_html(Barriers([falling], []))
+    header = re.findall(r"<th>(.*?)</th>", page)
+    assert header[4:6] == ["barrier (height above the chord)", "max − mean of the ends"]
+    cells = re.findall(r"<td>(.*?)</td>", page)
+    # By hand: the chord is the line itself (height 0); max 3 − mean of the ends 2 = 1.
+    assert cells[4:6] == ["0", "1"]
+
+
+def test_a_crossover_between_sparse_evaluations_is_reported_as_their_interval():
+    steps = np.arange(0, 1001, 100)  # evaluated every 100 steps
+    a = 1.0 - 5e-4 * steps
+    b = 1.105 - 7e-4 * steps  # by hand: b − a = 0.105 − 2e-4 s crosses zero at s = 525
+    result = crossover(steps, a, steps, b, ("a", "b"), fraction=0)
+    assert result.winner == "b" and result.bracket == (500, 600)
+    assert result.step == pytest.approx(525)
+    assert crossing_text(result) == "between 500 and 600 (interpolated 525)"
+    # Evaluated every step, the interpolated step is the answer itself.
+    dense = np.arange(0, 1001)
+    result = crossover(dense, 1.0 - 5e-4 * dense, dense, 1.105 - 7e-4 * dense, fraction=0)
+    assert result.bracket == (525, 525) and crossing_text(result) == "525"
+
+
+def test_a_crossover_read_between_the_other_runs_records_is_bracketed_by_them():
+    result = crossover(
+        np.arange(0, 1001, 10),
+        1.0 - 5e-4 * np.arange(0, 1001, 10),
+        np.arange(0, 1001, 100),
+        1.105 - 7e-4 * np.arange(0, 1001, 100),
+        fraction=0,
+    )
+    assert result.bracket == (500, 600)  # b's records, not a's 520–530
+
+
+def test_log_axes_label_ticks_with_their_whole_values():
+    curve = figures.Curve("λ1", np.arange(10), np.geomspace(1.5, 40, 10))
+    axis = figures.line_figure([curve], title="λ1", y_title="λ1", log_y=True).layout.yaxis
+    assert (axis.type, axis.tickformat, axis.dtick) == ("log", ".3~g", "D2")
+    wide = figures.Curve("loss", np.arange(10), np.geomspace(1e-4, 10, 10))
+    axis = figures.line_figure([wide], title="loss", y_title="loss", log_y=True).layout.yaxis
+    assert (axis.tickformat, axis.dtick) == (".3~g", None)  # decades: plotly's own ticks
+    linear = figures.line_figure([curve], title="λ1", y_title="λ1").layout.yaxis
+    assert linear.type == "linear" and linear.tickformat is None
+
+
+def _view(kind: str, runs: tuple[str, ...]) -> SimpleNamespace:
+    grid = SimpleNamespace(alphas=np.linspace(-1, 1, 3), betas=np.linspace(-1, 1, 3))
+    trajectories = [
+        SimpleNamespace(
+            run=run,
+            a=np.array([0.0, 0.5]),
+            b=np.array([0.0, 0.1 * i]),
+            step=np.array([0, 10]),
+            loss=np.array([1.0, 0.5]),
+            plane_loss=np.array([1.0, 0.6]),
+        )
+        for i, run in enumerate(runs)
+    ]
+    return SimpleNamespace(
+        title=kind,
+        run=runs[0],
+        losses=np.ones((3, 3)),
+        coarse_losses=None,
+        coarse_grid=None,
+        grid=grid,
+        refine=None,
+        trajectories=trajectories,
+        plane=SimpleNamespace(kind=kind),
+    )
+
+
+def test_the_plane_page_draws_each_run_in_one_colour_everywhere():
+    views = [_view("gradients", ("a", "b")), _view("out-of-plane", ("b", "a"))]
+    colours: dict[str, set] = {}
+    for trace in heatmap_figure(views).data:
+        if trace.type == "scatter" and trace.mode == "lines+markers":
+            colours.setdefault(trace.name, set()).update({trace.line.color, trace.marker.color})
+    for trace in checkpoint_loss_figure(views).data:
+        colours.setdefault(trace.name.split(":")[0], set()).add(trace.line.color)
+    assert all(len(c) == 1 for c in colours.values()), colours
+    assert colours["a"] != colours["b"]
+
+
+def _plane_run(path, a, b, basis):
+    series = {"plane": {"a": SeriesSpec(), "b": SeriesSpec()}}
+    vectors = {"plane_u": SeriesSpec((3,)), "plane_v": SeriesSpec((3,))}
+    writer = RunWriter.create(path, series, vectors, {"run_name": path.stem})
+    writer.write_vector("plane_u", basis[0])
+    writer.write_vector("plane_v", basis[1])
+    for step, (x, y) in enumerate(zip(a, b)):
+        writer.append("plane", step, {"a": x, "b": y})
+    writer.close()
+    return path
+
+
+def test_plane_path_draws_several_runs_on_one_plane_and_refuses_two_planes(tmp_path):
+    basis = (np.array([1.0, 0, 0]), np.array([0, 1.0, 0]))
+    a = _plane_run(tmp_path / "a.h5", [0, 1, 2], [0, 0.5, 1], basis)
+    b = _plane_run(tmp_path / "b.h5", [0, -1, -2], [0, 0.2, 0.1], basis)
+    figure = figures.plane_path([a, b])
+    paths = [t for t in figure.data if t.showlegend is not False]
+    assert [t.name for t in paths] == ["a", "b"]
+    np.testing.assert_array_equal(paths[1].x, [0, -1, -2])
+    assert all(t.line.color == t.marker.color for t in paths)
+    assert paths[0].line.color != paths[1].line.color
+    assert figures.plane_path(a).data[0].name == "trajectory"  # one run: as the report draws it
+    other = (np.array([0, 0, 1.0]), np.array([0, 1.0, 0]))
+    c = _plane_run(tmp_path / "c.h5", [0, 1], [0, 1], other)
+    with pytest.raises(DynamicsError, match="different planes"):
+        figures.plane_path([a, c])
