@@ -85,6 +85,7 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
             row=row,
             col=col,
         )
+        _mark_buffer_switches(figure, view, row, col, first=index == 0)
         for t in view.trajectories:
             figure.add_trace(
                 go.Scatter(
@@ -132,6 +133,34 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
         legend={"orientation": "h", "y": -0.08},
     )
     return figure
+
+
+def _mark_buffer_switches(figure: go.Figure, view: PlaneView, row: int, col: int, first: bool):
+    """Dotted white lines where the points switch to another stored state's buffers
+    (BatchNorm statistics): the heatmap's seams there are that switch, not the loss's shape."""
+    regions = view.buffer_regions
+    if regions is None or np.unique(regions).size < 2:
+        return
+    # A contour at every half-integer of the state index is a line between two regions; the
+    # states are relabelled 0..k-1 so that no level falls between two states no point uses.
+    _, labels = np.unique(regions, return_inverse=True)
+    labels = labels.reshape(regions.shape)
+    figure.add_trace(
+        go.Contour(
+            x=view.grid.alphas,
+            y=view.grid.betas,
+            z=labels,
+            contours={"coloring": "none", "start": 0.5, "end": labels.max() - 0.5, "size": 1},
+            line={"color": "white", "width": 1.5, "dash": "dot"},
+            showscale=False,
+            showlegend=first,
+            name="buffers switch (nearest stored state)",
+            legendgroup="buffers switch",
+            hoverinfo="skip",
+        ),
+        row=row,
+        col=col,
+    )
 
 
 def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:

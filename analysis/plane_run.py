@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +285,12 @@ def _evaluate_share(
             dist.destroy_process_group()
     if rank != 0:
         return {}
+    views = [  # where the heatmap's buffers switch, for the figure to mark
+        replace(v, buffer_regions=job.surfaces[v.run].buffer_regions(v.plane, v.grid))
+        if v.run in job.surfaces and v.source.startswith("offline")
+        else v
+        for v in views
+    ]
     write_plane_html(views, job.html, job.remarks)
     notes = {note: value for view in views for note, value in view.notes.items()}
     if distributed:  # the parent of forked processes sees no return value

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from dynamics.analysis import figures
 from dynamics.analysis.compare import crossing_text
@@ -88,6 +89,7 @@ def _view(kind: str, runs: tuple[str, ...]) -> SimpleNamespace:
         refine=None,
         trajectories=trajectories,
         plane=SimpleNamespace(kind=kind),
+        buffer_regions=None,
     )
 
 
@@ -130,3 +132,63 @@ def test_plane_path_draws_several_runs_on_one_plane_and_refuses_two_planes(tmp_p
     c = _plane_run(tmp_path / "c.h5", [0, 1], [0, 1], other)
     with pytest.raises(DynamicsError, match="different planes"):
         figures.plane_path([a, c])
+
+
+class _NormedLine(torch.nn.Module):
+    """A loss that reads BatchNorm's running mean in eval mode: it jumps where buffers switch."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(2, 1, bias=False)
+        self.bn = torch.nn.BatchNorm1d(1)
+
+    def dynamics_loss(self, batch):
+        return self.bn(self.w(batch)).pow(2).mean()
+
+
+def test_buffer_regions_are_the_states_whose_buffers_each_grid_point_was_evaluated_with():
+    from dynamics.landscape import LossSurface, evaluate_grid
+    from dynamics.nearest_buffers import NearestBuffers
+    from dynamics.params import BufferLayout, ParameterLayout, parameter_vector
+    from dynamics.plane import Grid, Plane
+    from dynamics.store import StoredState
+
+    torch.manual_seed(0)
+    module = _NormedLine().eval()
+    layout, buffer_layout = ParameterLayout.of(module), BufferLayout.of(module)
+    theta0 = parameter_vector(module, layout).double().numpy()
+    states = []
+    for shift, mean in ((0.0, 0.0), (1.0, 3.0)):  # θ0 and a state one unit along u
+        module.bn.running_mean.fill_(mean)
+        buffers = {d: b.numpy().copy() for d, b in buffer_layout.vectors(module).items()}
+        theta = theta0 + shift * np.eye(theta0.size)[0]
+        states.append(StoredState(0, "snapshot", theta.astype(np.float32), buffers))
+    rule = NearestBuffers(states, buffer_layout, "two states")
+    batch = torch.randn(8, 2)
+    surface = LossSurface(module, layout, batch, buffers=rule)
+    basis = np.eye(theta0.size)
+    plane = Plane(theta0, basis[0], basis[1], "gradients")
+    grid = Grid(np.linspace(-1, 2, 7), np.linspace(-1, 1, 5))
+    regions = surface.buffer_regions(plane, grid)
+    assert regions.shape == grid.shape and set(np.unique(regions)) == {0, 1}
+    # By hand: the states differ by one unit along u, so the switch is at a = 0.5.
+    np.testing.assert_array_equal(regions, np.broadcast_to(grid.alphas > 0.5, grid.shape))
+    losses = evaluate_grid(surface, plane, grid)
+    for (i, j), index in np.ndenumerate(regions):
+        point = theta0 + grid.alphas[j] * basis[0] + grid.betas[i] * basis[1]
+        copy = _NormedLine().eval()
+        for p, value in zip(layout.parameters(copy), layout.split(torch.tensor(point).float())):
+            p.data.copy_(value.view_as(p))
+        buffer_layout.load(copy, states[index].buffers)
+        with torch.no_grad():
+            assert losses[i, j] == pytest.approx(float(copy.dynamics_loss(batch)), rel=1e-5)
+
+
+def test_the_heatmap_marks_where_the_buffers_switch():
+    view = _view("gradients", ("a",))
+    view.buffer_regions = np.array([[0, 0, 4], [0, 4, 4], [4, 4, 4]])
+    marks = [t for t in heatmap_figure([view]).data if t.name and "buffers switch" in t.name]
+    assert len(marks) == 1 and marks[0].contours.coloring == "none"
+    np.testing.assert_array_equal(marks[0].z, [[0, 0, 1], [0, 1, 1], [1, 1, 1]])
+    view.buffer_regions = np.zeros((3, 3), int)  # one state throughout: nothing to mark
+    assert not [t for t in heatmap_figure([view]).data if t.name and "switch" in t.name]
