@@ -5,6 +5,7 @@ group reserves; the values are Lightning's own, and every view shows the names a
 from __future__ import annotations
 
 import json
+import re
 
 import h5py
 import numpy as np
@@ -169,7 +170,36 @@ def test_report_and_info_show_the_names_as_logged(tmp_path, dynamics):
     assert report.returncode == 0, report.stderr
     page = out.read_text()
     assert "λ₁ loss/dataloader_idx_1" in page and "a/b/dataloader_idx_0" in page
-    assert "%CE%BB" not in page  # the dataset's escaped name is never shown
+    assert "%CE%BB%E2%82%81" not in page  # the dataset's escaped name is never shown
+    other = tmp_path / "other.h5"
+    _fit_with(other, [LoggedMetrics(["λ₁ loss", "a/b", "my metric"])])
+    compared = tmp_path / "compare.html"
+    result = dynamics(
+        "compare", str(path), str(other), "-o", str(compared), "--barrier-points", "0"
+    )
+    assert result.returncode == 0, result.stderr
+    # Plotly's JSON writes "/" and non-ASCII text as \\uXXXX escapes.
+    page = re.sub(r"\\u([0-9a-f]{4})", lambda m: chr(int(m[1], 16)), compared.read_text())
+    assert "λ₁ loss/dataloader_idx_1" in page and "Validation: my metric/dataloader_idx_0" in page
+    assert "loss%2Fdataloader" not in page and "%CE%BB%E2%82%81" not in page
+
+
+def test_tables_and_trees_name_the_series_as_logged(tmp_path):
+    pytest.importorskip("xarray")
+    path = tmp_path / "run.h5"
+    module = _fit_with(path, [LoggedMetrics()])
+    run = open_run(path)
+    frame = run.series(names.VALIDATION).to_pandas()
+    assert list(frame.columns.get_level_values(0)) == [
+        "val_loss/dataloader_idx_0",
+        "val_loss/dataloader_idx_1",
+    ]
+    # A DataTree refuses "/" in a variable's name: the dataset's safe name, the logged one kept.
+    variable = run.to_xarray()[names.VALIDATION]["val_loss%2Fdataloader_idx_1"]
+    assert variable.attrs[names.ATTR_NAME] == "val_loss/dataloader_idx_1"
+    np.testing.assert_array_equal(
+        variable.values, [m["val_loss/dataloader_idx_1"] for m in module.logged]
+    )
 
 
 def test_names_a_group_reserves_are_series_like_any_other(tmp_path):
