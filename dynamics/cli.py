@@ -427,9 +427,13 @@ def _run_seeds(args: argparse.Namespace, experiment: Any, config: Any) -> int:
     _print_table((*header, *(f"seed {s}" for s in seeds)), rows)
     for variant, entry in summary["crossover"].items():
         per_seed = [_number(entry["per_seed"].get(str(s))) for s in seeds]
+        bracket = entry.get("bracket")
+        where = _mean_std(entry)
+        if bracket and bracket[1] - bracket[0] > 1:  # evaluations sparser than the steps
+            where = f"{bracket[0]}–{bracket[1]} (between evaluations; interpolated {where})"
         print(
             f"{variant} overtakes {entry['baseline']} on held-out loss for good at step "
-            f"{_mean_std(entry)} (per seed: {', '.join(per_seed)})"
+            f"{where} (per seed: {', '.join(per_seed)})"
         )
     print(f"wrote {group.summary_path}; runs in {args.out}/<variant>/seed<k>.h5")
     if group.failures:

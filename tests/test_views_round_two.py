@@ -192,3 +192,32 @@ def test_the_heatmap_marks_where_the_buffers_switch():
     np.testing.assert_array_equal(marks[0].z, [[0, 0, 1], [0, 1, 1], [1, 1, 1]])
     view.buffer_regions = np.zeros((3, 3), int)  # one state throughout: nothing to mark
     assert not [t for t in heatmap_figure([view]).data if t.name and "switch" in t.name]
+
+
+def _heldout_run(path, values, steps):
+    series = {"loss": {"train": SeriesSpec()}, "validation": {"val_loss": SeriesSpec()}}
+    writer = RunWriter.create(path, series, {}, {"run_name": path.stem})
+    for step, value in zip(steps, values):
+        writer.append("loss", int(step), {"train": float(value)})
+        writer.append("validation", int(step), {"val_loss": float(value)})
+    writer.close()
+    return path
+
+
+def test_the_seed_summary_gives_the_evaluations_that_bracket_every_seeds_crossing(tmp_path):
+    from dynamics.experiments.runner import VariantResult
+    from dynamics.experiments.seed_runs import crossover_steps
+
+    steps = np.arange(0, 1001, 100)
+    results = {}
+    for seed, offset in ((0, 0.105), (1, 0.125)):  # by hand: crossings at 525 and 625
+        for variant, values in (
+            ("none", 1.0 - 5e-4 * steps),
+            ("shifted", 1.0 + offset - 7e-4 * steps),
+        ):
+            path = _heldout_run(tmp_path / f"{variant}{seed}.h5", values, steps)
+            nan = float("nan")
+            results[variant, seed] = VariantResult(variant, variant, path, nan, nan, nan, None, "")
+    entry = crossover_steps({"none": "none", "shifted": "expected"}, results)["shifted"]
+    assert entry["bracket"] == [500, 700]
+    assert entry["n"] == 2 and 500 < entry["min"] < entry["max"] < 700
