@@ -860,9 +860,14 @@ def _declared_group(path: Path, group: str, members: Any, size: int | None) -> d
             continue
         dataset = _checked(members, name, path, "biuf")
         where = f"{SERIES}/{group}/{name}"
+        key = series_key(name, dataset)
+        stored = names.ATTR_NAME in dataset.attrs
+        if not isinstance(key, str) or (stored and names.series_name(key) != name):
+            # Two datasets must never read as one series.
+            raise RunFileError(f"{path}: {where} names its series {key!r}, which is not its own")
         if dataset.ndim == 0:
             raise RunFileError(f"{path}: {where} is a scalar, not one row per step")
-        snapshot = (group, name) == (names.SNAPSHOTS, names.SNAPSHOT_THETA)
+        snapshot = (group, key) == (names.SNAPSHOTS, names.SNAPSHOT_THETA)
         if snapshot and (dataset.ndim != 2 or size not in (None, dataset.shape[1])):
             raise RunFileError(
                 f"{path}: {where} has shape {dataset.shape}, not one row of the layout's "
@@ -871,8 +876,15 @@ def _declared_group(path: Path, group: str, members: Any, size: int | None) -> d
         encoding = dataset.attrs.get(names.ATTR_ENCODING)
         if encoding is not None and (encoding != BFLOAT16 or dataset.dtype != np.uint16):
             raise RunFileError(f"{path}: {where} has the unknown encoding {encoding!r}")
-        declared[name] = _declared(dataset, path, where)
+        declared[key] = _declared(dataset, path, where)
     return declared
+
+
+def series_key(dataset_name: str, dataset: h5py.Dataset) -> Any:
+    """The name a series was declared under: its stored name (``names.ATTR_NAME``), else, in
+    files from before names were stored, its dataset's name."""
+    key = dataset.attrs.get(names.ATTR_NAME, dataset_name)
+    return key.decode(errors="surrogateescape") if isinstance(key, bytes) else key
 
 
 def _check_drawable(path: Path, declared: dict[str, dict[str, _Declared]]) -> None:
@@ -1086,7 +1098,7 @@ def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
 def _read_rows(group: h5py.Group) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``(step, {series: values})`` of the group's complete rows."""
     step = group[STEP][:]
-    datasets = {name: d for name, d in group.items() if name != STEP}
+    datasets = {series_key(name, d): d for name, d in group.items() if name != STEP}
     # Only the complete rows are read: rows declared past them were never written.
     n = _complete_rows(step, [d.shape[0] for d in datasets.values()])
     return step[:n], {name: _values(d, n) for name, d in datasets.items()}
