@@ -393,7 +393,7 @@ def _difference_figure(runs: list[Run], labels: list[str], colors: list[str]) ->
         curves.append(Curve(f"{label} − {labels[0]} ({loss.metric})", steps, b - a, color))
         result = loss_crossover(runs[0], run, (labels[0], label))
         if result is not None and result.step is not None:
-            crossings.append((result.step, color, label))
+            crossings.append((result, color, label))
     if not curves:
         return None
     figure = line_figure(
@@ -402,12 +402,18 @@ def _difference_figure(runs: list[Run], labels: list[str], colors: list[str]) ->
         y_title="Δ loss",
     )
     figure.add_hline(y=0, line_color="black", line_width=1)
-    for step, color, label in crossings:
+    for result, color, label in crossings:
+        lo, hi = result.bracket
+        where = crossing_text(result)
+        if hi - lo > 1:  # the records' interval, where the crossing lies
+            figure.add_vrect(x0=lo, x1=hi, fillcolor=color, opacity=0.12, line_width=0)
+        else:
+            where = f"at {where}"
         figure.add_vline(
-            x=step,
+            x=result.step,
             line_dash="dot",
             line_color=color,
-            annotation_text=f"{label} overtakes at {step:.0f}",
+            annotation_text=f"{label} overtakes {where}",
             annotation_font_size=10,
         )
     return figure
@@ -485,7 +491,7 @@ def _crossover_cells(result: Crossover | None) -> tuple[str, ...]:
     elif result.step is None:
         overtaken = f"none: {result.winner} ahead throughout"
     else:
-        overtaken = f"{result.step:.0f}"
+        overtaken = crossing_text(result)
     return (
         result.metric,
         result.first_leader or "tie",
@@ -493,6 +499,15 @@ def _crossover_cells(result: Crossover | None) -> tuple[str, ...]:
         result.winner or "tie",
         f"{result.final_gap:.4g} ({result.final_gap_relative:.1%})",
     )
+
+
+def crossing_text(result: Crossover) -> str:
+    """``between 100 and 200 (interpolated 185)``: the records bracket the crossing, and an
+    interpolated step alone would claim a precision evaluations every 100 steps do not have."""
+    lo, hi = result.bracket
+    if hi - lo <= 1:
+        return f"{result.step:.0f}"
+    return f"between {lo} and {hi} (interpolated {result.step:.0f})"
 
 
 def _ratio_cells(ratio: tuple[np.ndarray, np.ndarray]) -> tuple[str, str, str]:

@@ -80,6 +80,9 @@ class Crossover:
             smoothed difference crosses zero), or None when it led at every aligned step.
         final_gap: the loser's final smoothed loss minus the winner's (>= 0).
         final_gap_relative: ``final_gap`` over the loser's final smoothed loss.
+        bracket: the recorded steps either side of the crossing, of both runs' records (the
+            last at or before it, the first after it): the records place the crossing only
+            within them, ``step`` interpolates inside; None with ``step``.
     """
 
     metric: str
@@ -88,6 +91,7 @@ class Crossover:
     step: float | None
     final_gap: float
     final_gap_relative: float
+    bracket: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -196,10 +200,17 @@ def crossover(
 
     final = sign[-1]
     behind = np.flatnonzero(sign != final)
-    step = None
+    step = bracket = None
     if final != 0 and behind.size:
         i = behind[-1]  # the winner is strictly ahead from record i + 1 on
         step = float(steps[i] + (steps[i + 1] - steps[i]) * gap[i] / (gap[i] - gap[i + 1]))
+        # b was read between its records by interpolation: its own records bound it too.
+        if gap[i] == 0:  # the tie is at a record
+            bracket = (int(steps[i]), int(steps[i]))
+        else:
+            lo = min(x[x <= steps[i]][-1] for x in (sa, sb))
+            hi = max(x[x >= steps[i + 1]][0] for x in (sa, sb))
+            bracket = (int(lo), int(hi))
     loser_final = max(a[-1], b[-1])
     return Crossover(
         metric=metric,
@@ -208,6 +219,7 @@ def crossover(
         step=step,
         final_gap=float(abs(gap[-1])),
         final_gap_relative=float(abs(gap[-1]) / loser_final) if loser_final > 0 else float("nan"),
+        bracket=bracket,
     )
 
 

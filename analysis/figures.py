@@ -70,6 +70,7 @@ __all__ = [
     "panels_figure",
     "plane_figure",
     "plane_path",
+    "plane_paths_figure",
     "plane_share",
     "run_colors",
     "spectral_density",
@@ -180,6 +181,24 @@ def run_colors(count: int) -> list[str]:
     return [palette[i % len(palette)] for i in range(count)]
 
 
+def y_scale(log: bool, *values: ArrayLike) -> dict[str, str]:
+    """A y axis's scale, linear or log over ``values`` (what the axis draws).
+
+    Log axes label every tick with its whole value ("20", "50", "100", "0.002"): plotly's
+    default labels the ticks between decades with their first digit alone, a "2" under a
+    "10" that reads as 2. Under three decades the ticks are 1, 2 and 5 of each (nine labels
+    a decade would overlap); above, plotly's decades.
+    """
+    if not log:
+        return {"type": "linear"}
+    scale = {"type": "log", "tickformat": ".3~g"}
+    drawn = np.concatenate([np.ravel(np.asarray(v, dtype=float)) for v in values] or [[]])
+    drawn = drawn[np.isfinite(drawn) & (drawn > 0)]
+    if drawn.size and np.log10(drawn.max() / drawn.min()) < 3:
+        scale["dtick"] = "D2"
+    return scale
+
+
 def line_figure(
     curves: Sequence[Curve],
     *,
@@ -207,7 +226,7 @@ def line_figure(
     _mark_peaks(figure, peaks)
     _style(figure, title, reduced)
     figure.update_xaxes(title_text="step")
-    figure.update_yaxes(title_text=y_title, type="log" if log_y else "linear")
+    figure.update_yaxes(title_text=y_title, **y_scale(log_y, *(c.values for c in curves)))
     return figure
 
 
@@ -308,7 +327,7 @@ def displacement_figure(
     if update is not None:
         update_curve = Curve("‖θt+1 − θt‖", step, np.asarray(update), "#9467bd")
         reduced.append(_add_curve(figure, update_curve, budget, row=2, col=1))
-        figure.update_yaxes(title_text="update size", type="log", row=2, col=1)
+        figure.update_yaxes(title_text="update size", **y_scale(True, update), row=2, col=1)
     _style(figure, "Parameter displacement and update size", reduced, height=_HEIGHT + 120)
     figure.update_xaxes(title_text="step", row=rows, col=1)
     return figure
@@ -406,7 +425,7 @@ def panels_figure(
             curve = Curve(name, step, values[:, j], colors[j], group=name, show_legend=col == 1)
             reduced.append(_add_curve(figure, curve, budget, row=1, col=col))
     _style(figure, title, reduced)
-    figure.update_yaxes(type="log" if log_y else "linear")
+    figure.update_yaxes(**y_scale(log_y, *(panel[2] for panel in panels)))
     figure.update_yaxes(title_text=y_title, col=1)
     figure.update_xaxes(title_text="step")
     return figure
@@ -656,15 +675,92 @@ def spectral_density(
     return density_figure(dict(zip(titles, rows)))
 
 
-def plane_path(run: RunLike) -> go.Figure:
-    """The run's path on the plane of initial gradients: the coordinates ``(a, b)`` of
-    θt − θ0 recorded by :class:`~dynamics.callbacks.GradientPlane`, coloured by step.
+def plane_path(
+    runs: RunLike | Sequence[RunLike], *, labels: Sequence[str] | None = None
+) -> go.Figure:
+    """The path on the plane of initial gradients: the coordinates ``(a, b)`` of θt − θ0
+    recorded by :class:`~dynamics.callbacks.GradientPlane`.
+
+    One run: coloured by step, as its report draws it. Several runs (recorded on one plane,
+    ``GradientPlane(partner=...)``): one colour per run, as the plane page draws them, the
+    start an open circle and the end a star.
+
+    Args:
+        runs: a run (a :class:`~dynamics.store.Run` or the path of its file), or several.
+        labels: the legend names of several runs; default their names.
 
     Raises:
-        DynamicsError: the run recorded no plane coordinates.
+        DynamicsError: a run recorded no plane coordinates, or the runs' coordinates are on
+            different planes (their stored bases differ, or one stores none).
     """
-    plane = _plane_rows(run, (names.PLANE_A, names.PLANE_B))
-    return plane_figure(plane.step, plane[names.PLANE_A], plane[names.PLANE_B])
+    opened = _open_runs(runs)
+    planes = [_plane_rows(run, (names.PLANE_A, names.PLANE_B)) for run in opened]
+    if len(opened) == 1:
+        return plane_figure(planes[0].step, planes[0][names.PLANE_A], planes[0][names.PLANE_B])
+    _check_one_plane(opened)
+    paths = [
+        (label, plane.step, plane[names.PLANE_A], plane[names.PLANE_B])
+        for label, plane in zip(_labels(opened, labels), planes)
+    ]
+    return plane_paths_figure(paths)
+
+
+def plane_paths_figure(
+    paths: Sequence[tuple[str, ArrayLike, ArrayLike, ArrayLike]], *, budget: int = DISPLAY_BUDGET
+) -> go.Figure:
+    """Several runs' paths on one plane: ``(label, step, a, b)`` each, one colour per run on
+    its line, markers and legend entry; each path thinned evenly to ``budget`` points."""
+    figure = go.Figure()
+    thinned = False
+    for (label, step, a, b), color in zip(paths, run_colors(len(paths))):
+        step, a, b = (np.asarray(x) for x in (step, a, b))
+        n = len(step)
+        keep = np.unique(np.linspace(0, n - 1, min(n, budget)).round().astype(int)) if n else []
+        thinned |= len(keep) < n
+        figure.add_trace(
+            go.Scatter(
+                x=a[keep],
+                y=b[keep],
+                mode="lines+markers",
+                name=label,
+                legendgroup=label,
+                line=dict(color=color, width=2),
+                marker=dict(size=4, color=color),
+                text=[f"{label} step {s}" for s in step[keep]],
+            )
+        )
+        if n:
+            figure.add_trace(
+                go.Scatter(
+                    x=[a[0], a[-1]],
+                    y=[b[0], b[-1]],
+                    mode="markers",
+                    legendgroup=label,
+                    showlegend=False,
+                    marker=dict(symbol=["circle-open", "star"], size=12, color=color),
+                    hoverinfo="skip",
+                )
+            )
+    figure.update_layout(height=_HEIGHT + 80, template="plotly_white", title="Paths on the plane")
+    if thinned:
+        figure.update_layout(title_subtitle_text="thinned for display")
+    figure.update_xaxes(title_text="a")
+    figure.update_yaxes(title_text="b", scaleanchor="x")
+    return figure
+
+
+def _check_one_plane(runs: list[Run]) -> None:
+    """Coordinates of several runs are comparable only on one plane (the same stored u, v)."""
+    first = runs[0]
+    for run in runs[1:]:
+        for basis in (names.PLANE_U, names.PLANE_V):
+            mine, theirs = first.vector(basis), run.vector(basis)
+            if mine is None or theirs is None or not np.array_equal(mine, theirs):
+                raise DynamicsError(
+                    f"{run.path.name} and {first.path.name} recorded their coordinates on "
+                    "different planes (or one stores no basis): record the second with "
+                    f"GradientPlane(partner={first.path.name!r}) to draw them together"
+                )
 
 
 def plane_share(run: RunLike) -> go.Figure:
@@ -937,7 +1033,8 @@ def _blocks_figure(
             reduced.append(_add_curve(figure, line, budget, row=row, col=col))
         _mark_peaks(figure, panel.peaks, row=row, col=col)
         if panel.heat is None:
-            figure.update_yaxes(type="log" if block.log_y else "linear", row=row, col=col)
+            drawn = (c.values for c in panel.curves)
+            figure.update_yaxes(**y_scale(block.log_y, *drawn), row=row, col=col)
         else:
             scale = scales.setdefault(block, f"coloraxis{len(scales) + 1}")
             heat = panel.heat

@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 
 from dynamics import __version__
 from dynamics.analysis.comparison import comparability, finite, top_eigenvalue, verdict
-from dynamics.analysis.figures import run_colors
+from dynamics.analysis.figures import run_colors, y_scale
 from dynamics.analysis.groups import Group, GroupComparison, compare_groups
 from dynamics.analysis.output import check_output
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, write_page
@@ -178,7 +178,8 @@ def _band_figures(groups: Sequence[Group]) -> list[tuple[str, go.Figure]]:
         if drawn:
             figure.update_layout(title=title, height=420, template="plotly_white")
             figure.update_xaxes(title_text="step")
-            figure.update_yaxes(title_text=y_title, type="log" if log_y else "linear")
+            drawn_values = [trace.y for trace in figure.data if trace.y is not None]
+            figure.update_yaxes(title_text=y_title, **y_scale(log_y, *drawn_values))
             figures.append((key, figure))
     return figures
 

@@ -208,7 +208,7 @@ def compare_groups(groups: Sequence[Group]) -> list[GroupComparison]:
             _measure(f"final {loss}, {group.name} − {reference.name}", DIFFERENCE, pairs, _final),
             _measure(f"best {loss}, {group.name} − {reference.name}", DIFFERENCE, pairs, _best),
             _measure(
-                f"step {group.name} overtakes {reference.name}",
+                f"step {group.name} overtakes {reference.name}{_interpolated(pairs)}",
                 VALUE,
                 pairs,
                 functools.partial(overtaking_step, names=names),
@@ -254,6 +254,22 @@ def _loss_name(pairs: list[tuple[int, Run, Run]]) -> str:
     compared = [compared_loss(a, b) for _, a, b in pairs]
     metrics = {loss.metric.split(" (")[0] for loss in compared if loss is not None}
     return metrics.pop() if len(metrics) == 1 else "loss"
+
+
+def _interpolated(pairs: list[tuple[int, Run, Run]]) -> str:
+    """What the overtaking step is when the compared loss was recorded sparsely: a step
+    interpolated between records, placed by them only within their spacing."""
+    spacings = [
+        int(np.max(np.diff(m.step)))
+        for loss in (compared_loss(a, b) for _, a, b in pairs)
+        if loss is not None
+        for m in (loss.reference, loss.other)
+        if len(m.step) > 1
+    ]
+    spacing = max(spacings, default=1)
+    if spacing <= 1:
+        return ""
+    return f" (interpolated between loss records up to {spacing} steps apart)"
 
 
 def _smoothed_loss(a: Run, b: Run) -> tuple[np.ndarray, np.ndarray] | str:

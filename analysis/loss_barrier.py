@@ -374,8 +374,8 @@ def _barrier_html(barriers: Barriers) -> str:
             f"{line.losses[0]:.5g}",
             f"{line.losses[-1]:.5g}",
             f"{np.max(line.losses):.5g} (α = {line.peak_alpha:.2f})",
-            f"{line.barrier:.4g}",
             f"{line.above_chord:.4g}",
+            f"{line.barrier:.4g}",
             line.batch,
         )
         for line in barriers.lines
@@ -387,8 +387,8 @@ def _barrier_html(barriers: Barriers) -> str:
             "loss at α = 0",
             "loss at α = 1",
             "max",
-            "barrier",
-            "above the chord",
+            "barrier (height above the chord)",
+            "max − mean of the ends",
             "batch",
         )
         parts.append(html_table(header, rows))
@@ -396,10 +396,10 @@ def _barrier_html(barriers: Barriers) -> str:
         parts.append(
             "<p class='note'>Loss at (1 − α)·start + α·end, the model rebuilt from the run "
             "file in eval mode on the batch named in the table (a run's stored probe batch, "
-            "with that run's model, or a held-out batch); barrier: max along the line "
-            "minus the mean of its ends (never below 0: half the ends' difference on a line "
-            "that only falls); above the chord: the largest height of the loss above the "
-            "straight line joining its ends' losses (0: no bump between them). "
+            "with that run's model, or a held-out batch); barrier: the largest height of "
+            "the loss above the straight line joining its ends' losses (0: no bump between "
+            "them); max − mean of the ends: the other common definition, which is half the "
+            "ends' difference on a line that only falls, with no bump at all. "
             + " ".join(html.escape(note) for note in notes)
             + "</p>"
         )

@@ -54,6 +54,7 @@ class Written:
         figures: how many figures it holds.
         static_files: PNG/SVG files written next to it (with ``static_dir``).
         static_skipped: why static export was skipped, or None.
+        skipped: inputs left out of the page, and why, in one line; or None.
     """
 
     path: Path
@@ -61,6 +62,7 @@ class Written:
     figures: int
     static_files: tuple[Path, ...] = ()
     static_skipped: str | None = None
+    skipped: str | None = None
 
 
 def html_page(title: str, body: str) -> str:

@@ -22,6 +22,13 @@ from dynamics.landscape import PlaneView
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
 
+def _run_colors(views: list[PlaneView]) -> dict[str, str]:
+    """Each run's colour, the same in every figure of the page and on every part of a trace
+    (line, markers, legend entry)."""
+    runs = sorted({t.run for v in views for t in v.trajectories})
+    return {run: _COLORS[i % len(_COLORS)] for i, run in enumerate(runs)}
+
+
 def heatmap_figure(views: list[PlaneView]) -> go.Figure:
     """One heatmap per view (log10 loss of that view's model), trajectories drawn over it."""
     columns = 2
@@ -33,8 +40,7 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
         horizontal_spacing=0.12,
         vertical_spacing=0.12,
     )
-    runs = sorted({t.run for v in views for t in v.trajectories})
-    color = {run: _COLORS[i % len(_COLORS)] for i, run in enumerate(runs)}
+    color = _run_colors(views)
     # One color scale for every panel, so the single colorbar reads right on all of them.
     logs = [np.log10(view.losses) for view in views]
     coarse = [None if v.coarse_losses is None else np.log10(v.coarse_losses) for v in views]
@@ -79,6 +85,7 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
             row=row,
             col=col,
         )
+        _mark_buffer_switches(figure, view, row, col, first=index == 0)
         for t in view.trajectories:
             figure.add_trace(
                 go.Scatter(
@@ -89,7 +96,7 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
                     legendgroup=t.run,
                     showlegend=index == 0,
                     line={"color": color[t.run], "width": 2},
-                    marker={"size": 4},
+                    marker={"size": 4, "color": color[t.run]},
                     customdata=np.stack([t.step, t.loss, t.plane_loss], -1),
                     hovertemplate=(
                         f"{t.run} step %{{customdata[0]}}<br>loss %{{customdata[1]:.4g}}"
@@ -128,22 +135,55 @@ def heatmap_figure(views: list[PlaneView]) -> go.Figure:
     return figure
 
 
+def _mark_buffer_switches(figure: go.Figure, view: PlaneView, row: int, col: int, first: bool):
+    """Dotted white lines where the points switch to another stored state's buffers
+    (BatchNorm statistics): the heatmap's seams there are that switch, not the loss's shape."""
+    regions = view.buffer_regions
+    if regions is None or np.unique(regions).size < 2:
+        return
+    # A contour at every half-integer of the state index is a line between two regions; the
+    # states are relabelled 0..k-1 so that no level falls between two states no point uses.
+    _, labels = np.unique(regions, return_inverse=True)
+    labels = labels.reshape(regions.shape)
+    figure.add_trace(
+        go.Contour(
+            x=view.grid.alphas,
+            y=view.grid.betas,
+            z=labels,
+            contours={"coloring": "none", "start": 0.5, "end": labels.max() - 0.5, "size": 1},
+            line={"color": "white", "width": 1.5, "dash": "dot"},
+            showscale=False,
+            showlegend=first,
+            name="buffers switch (nearest stored state)",
+            legendgroup="buffers switch",
+            hoverinfo="skip",
+        ),
+        row=row,
+        col=col,
+    )
+
+
 def checkpoint_loss_figure(views: list[PlaneView]) -> go.Figure:
     """Loss at each real checkpoint against the loss read off the (first) plane."""
     figure = go.Figure()
+    color = _run_colors(views)
     for view in views:
         if view.plane.kind == "out-of-plane":
             continue
         for t in view.trajectories:
             if t.run != view.run:
                 continue
-            figure.add_trace(go.Scatter(x=t.step, y=t.loss, name=f"{t.run}: checkpoint θt"))
+            figure.add_trace(
+                go.Scatter(
+                    x=t.step, y=t.loss, name=f"{t.run}: checkpoint θt", line={"color": color[t.run]}
+                )
+            )
             figure.add_trace(
                 go.Scatter(
                     x=t.step,
                     y=t.plane_loss,
                     name=f"{t.run}: projection on the plane",
-                    line={"dash": "dot"},
+                    line={"dash": "dot", "color": color[t.run]},
                 )
             )
     figure.update_layout(

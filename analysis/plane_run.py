@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +269,8 @@ def rebuilt_surface(
     try:  # once at θ0, so a batch the model cannot take is one line, not a worker's
         if theta0 is not None:
             surface.loss(theta0)
+    except LossUnavailable as error:  # the model, not the batch (a step that reads self.trainer)
+        raise DynamicsError(f"{run.path.name}: {error}") from None
     # KeyError and AttributeError: a dict or object batch without what the step reads.
     except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as error:
         raise BatchRefused(
@@ -322,6 +324,12 @@ def _evaluate_share(
             dist.destroy_process_group()
     if rank != 0:
         return {}
+    views = [  # where the heatmap's buffers switch, for the figure to mark
+        replace(v, buffer_regions=job.surfaces[v.run].buffer_regions(v.plane, v.grid))
+        if v.run in job.surfaces and v.source.startswith("offline")
+        else v
+        for v in views
+    ]
     write_plane_html(views, job.html, job.remarks)
     notes = {note: value for view in views for note, value in view.notes.items()}
     if distributed:  # the parent of forked processes sees no return value

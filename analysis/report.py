@@ -11,6 +11,7 @@ the kit of :mod:`dynamics.analysis.page`.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import os
@@ -83,23 +84,29 @@ def write_report(
     runs = [open_run(path) for path in run_paths]
     overshoots = [run_overshoot(run) for run in runs]
     per_run = [_run_figures(run, overshoot) for run, overshoot in zip(runs, overshoots)]
-    for run, run_figures in zip(runs, per_run):
-        if not run_figures:
-            raise DynamicsError(
-                f"{run.path}: no series to report (none declares a view, and no loss or plane)"
-            )
+    empty = [run for run, run_figures in zip(runs, per_run) if not run_figures]
+    why = "no series to report (none declares a view, and no loss or plane)"
+    if len(empty) == len(runs):
+        raise DynamicsError(f"{empty[0].path}: {why}")
+    # A folder of runs with one empty file (a fit that crashed before its first row) reports
+    # the others and names the ones left out.
+    skipped = f"skipped {', '.join(str(r.path) for r in empty)}: {why}" if empty else None
+    kept = [i for i, run_figures in enumerate(per_run) if run_figures]
+    runs, overshoots, per_run = ([items[i] for i in kept] for items in (runs, overshoots, per_run))
     sections, figures = [], []
     for index, (run, overshoot, run_figures) in enumerate(zip(runs, overshoots, per_run)):
         sections.append(_run_section(run, index, overshoot, run_figures, len(figures)))
         figures += [(f"{index}-{slug(run.name)}-{key}", figure) for key, figure in run_figures]
     nav = "".join(f'<a href="#run-{i}">{html.escape(r.name)}</a>' for i, r in enumerate(runs))
+    note = f" · {html.escape(skipped)}" if skipped else ""
     header = (
         f"<h1>dynamics report</h1><p class='meta'>{len(runs)} run(s) · dynamics {__version__}"
-        f"</p><nav>{nav}</nav>"
+        f"{note}</p><nav>{nav}</nav>"
     )
     title = "dynamics report: " + ", ".join(run.name for run in runs)
     page = html_page(title, header + "".join(sections))
-    return write_page(out, page, figures, static_dir, static_format, overwrite)
+    written = write_page(out, page, figures, static_dir, static_format, overwrite)
+    return dataclasses.replace(written, skipped=skipped)
 
 
 def overshoot_html(report: OvershootReport | None) -> str:

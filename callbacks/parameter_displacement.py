@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 #: How snapshots can be stored: full precision, or half the bytes at a coarser precision.
 SNAPSHOT_DTYPES = ("float32", "float16", "bfloat16")
 
+#: The default snapshot budget (``snapshot_budget_mb=None``): this many MiB, raised to hold
+#: ``AUTO_MIN_SNAPSHOTS`` snapshots of a larger model, never above ``AUTO_MAX_MB``. A 50k-
+#: parameter model keeps ~20 snapshots in 4 MiB where a fixed 64 MiB made 50 MB files that a
+#: plane path drawn through 20 points does not need.
+AUTO_BUDGET_MB = 4.0
+AUTO_MIN_SNAPSHOTS = 8
+AUTO_MAX_MB = 64.0
+
 
 class ParameterDisplacement(Probe):
     """‖θt − θ0‖ in total and per parameter tensor, the update ‖θt+1 − θt‖, and snapshots.
@@ -36,12 +44,15 @@ class ParameterDisplacement(Probe):
     counts their bytes. A snapshot's buffers are those before the step's forward, as its
     parameters are.
 
-    Snapshots of θt are kept within ``snapshot_budget_mb``, thinned evenly over the run: the
+    Snapshots of θt are kept within a budget, thinned evenly over the run: the
     budget holds some number of snapshots, and the period is the run's estimated optimizer steps
     (as ``global_step`` counts them: under manual optimization every optimizer's step, assumed
     once a batch, see :func:`~dynamics.callbacks.probe.expected_steps`) over that number, so the
     whole trajectory is covered and later analysis can project it onto any plane. θ0 and the
-    final θT are stored as vectors whatever the budget. When the budget holds fewer than two
+    final θT are stored as vectors whatever the budget. The default budget is 4 MiB, raised to
+    hold 8 snapshots of a model whose snapshots are larger than 512 KiB, at most 64 MiB: small
+    beside the run's θ0 and θT, and enough points for ``dynamics plane`` to draw the path
+    (``dynamics info`` prints the count). When the budget holds fewer than two
     snapshots (above 8.4M float32 parameters for 64 MiB), or the run's length is unknown, no
     snapshots are kept and a warning event says why and what to change: the recorder works on a
     model of any size. The plan (period, expected count, dtype, bytes)
@@ -55,7 +66,8 @@ class ParameterDisplacement(Probe):
 
     Args:
         every_n_steps: period of the norm series.
-        snapshot_budget_mb: bytes (MiB) for snapshots; 0 stores none.
+        snapshot_budget_mb: bytes (MiB) for snapshots; 0 stores none; None (default) the
+            budget above, scaled to the model.
         snapshot_every_n_steps: fixed snapshot period instead of the budget's (required for
             snapshots when the Trainer cannot estimate its number of steps).
         snapshot_dtype: how snapshots are stored, one of ``SNAPSHOT_DTYPES``.
@@ -66,7 +78,7 @@ class ParameterDisplacement(Probe):
     def __init__(
         self,
         every_n_steps: int = 1,
-        snapshot_budget_mb: float = 64.0,
+        snapshot_budget_mb: float | None = None,
         snapshot_every_n_steps: int | None = None,
         snapshot_dtype: str = "float32",
     ) -> None:
@@ -159,7 +171,8 @@ class ParameterDisplacement(Probe):
                 ),
                 "dtype": self.snapshot_dtype,
                 "bytes_each": self._snapshot_bytes(),
-                "budget_mb": self.snapshot_budget_mb,
+                "budget_mb": self._budget_mb(),
+                "budget": "default" if self.snapshot_budget_mb is None else "given",
             }
         }
 
@@ -269,16 +282,29 @@ class ParameterDisplacement(Probe):
         # A checkpoint from before buffers were stored restores θ0 without them.
         return {names.buffer_vector(prefix, d): b.cpu().numpy() for d, b in (buffers or {}).items()}
 
+    def _budget_mb(self) -> float:
+        """The snapshot budget in MiB: the one given, else the default scaled to the model."""
+        if self.snapshot_budget_mb is not None:
+            return self.snapshot_budget_mb
+        least = AUTO_MIN_SNAPSHOTS * self._snapshot_bytes() / 2**20
+        return min(max(AUTO_BUDGET_MB, least), AUTO_MAX_MB)
+
     def _snapshot_plan(self) -> tuple[int, str]:
         """The snapshot period (0: none) and, when the plan keeps none, why."""
         if self.snapshot_every_n_steps is not None:
             return self.snapshot_every_n_steps, ""
-        if self.snapshot_budget_mb <= 0:
+        budget_mb = self._budget_mb()
+        if budget_mb <= 0:
             return 0, ""
-        capacity = int(self.snapshot_budget_mb * 2**20 // self._snapshot_bytes())
+        capacity = int(budget_mb * 2**20 // self._snapshot_bytes())
         if capacity < 2:
+            given = (
+                f"the default budget ({budget_mb:g} MiB)"
+                if self.snapshot_budget_mb is None
+                else f"snapshot_budget_mb={budget_mb:g}"
+            )
             return 0, (
-                f"snapshot_budget_mb={self.snapshot_budget_mb:g} holds fewer than 2 "
+                f"{given} holds fewer than 2 "
                 f"{self.snapshot_dtype} snapshots of {self.layout.size:,} parameters "
                 f"({self._snapshot_bytes() / 2**20:.1f} MiB each); raise the budget, or store "
                 "float16/bfloat16 snapshots (snapshot_dtype)"

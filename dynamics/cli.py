@@ -450,9 +450,13 @@ def _run_seeds(args: argparse.Namespace, experiment: Any, config: Any) -> int:
     _print_table((*header, *(f"seed {s}" for s in seeds)), rows)
     for variant, entry in summary["crossover"].items():
         per_seed = [_number(entry["per_seed"].get(str(s))) for s in seeds]
+        bracket = entry.get("bracket")
+        where = _mean_std(entry)
+        if bracket and bracket[1] - bracket[0] > 1:  # evaluations sparser than the steps
+            where = f"{bracket[0]}–{bracket[1]} (between evaluations; interpolated {where})"
         print(
             f"{variant} overtakes {entry['baseline']} on held-out loss for good at step "
-            f"{_mean_std(entry)} (per seed: {', '.join(per_seed)})"
+            f"{where} (per seed: {', '.join(per_seed)})"
         )
     print(f"wrote {group.summary_path}; runs in {args.out}/<variant>/seed<k>.h5")
     if group.failures:
@@ -534,12 +538,42 @@ def _info(args: argparse.Namespace) -> int:
         shapes = ", ".join(f"{n}{tuple(s) if s else ''}" for n, s in info["series"].items())
         span = f"steps {info['first_step']}..{info['last_step']}" if info["rows"] else "empty"
         print(f"  {group:<18} {info['rows']:>7} rows  {span:<20} {shapes}")
+    snapshots = _snapshot_line(summary)
+    if snapshots:
+        print(f"  snapshots {snapshots}")
     for name, shape in summary["vectors"].items():
         print(f"  vector {name:<11} {tuple(shape)}")
     config = summary["attrs"].get("config")
     if config:
         print(f"  config {json.dumps(config, sort_keys=True)}")
     return 0
+
+
+def _snapshot_line(summary: dict) -> str:
+    """``19 of θ (every 11 steps, 3.6 MiB; default budget 4 MiB)``: what `plane` can draw
+    from; empty for a run without ParameterDisplacement's plan."""
+    from dynamics.store import names
+
+    probes = summary["attrs"].get(names.ATTR_PROBES)
+    plans = [
+        probe.get("settings", {}).get("snapshots")
+        for probe in (probes if isinstance(probes, list) else [])
+        if isinstance(probe, dict) and isinstance(probe.get("settings"), dict)
+    ]
+    plan = next((p for p in plans if isinstance(p, dict)), None)
+    if plan is None:
+        return ""
+    count = summary["series"].get(names.SNAPSHOTS, {}).get("rows", 0)
+    if not count:
+        return "0 of θ (θ0 and θT only)"
+    bytes_each = plan.get("bytes_each") or 0
+    budget = plan.get("budget_mb")
+    kind = "default budget" if plan.get("budget") == "default" else "budget"
+    limit = f"; {kind} {budget:g} MiB" if isinstance(budget, (int, float)) else ""
+    return (
+        f"{count} of θ (every {plan.get('period')} steps, "
+        f"{count * bytes_each / 2**20:.1f} MiB{limit})"
+    )
 
 
 def _status_line(status: dict) -> str:
@@ -762,6 +796,8 @@ def _print_written(written: Written) -> int:
         print(f"wrote {len(written.static_files)} figures into {written.static_files[0].parent}")
     if written.static_skipped:
         print(f"dynamics: {written.static_skipped}", file=sys.stderr)
+    if written.skipped:
+        print(f"dynamics: {written.skipped}", file=sys.stderr)
     return 0
 
 

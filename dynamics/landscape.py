@@ -77,6 +77,9 @@ class PlaneView:
     refine: np.ndarray | None = None
     #: Which buffers (BatchNorm statistics) the points use; empty when the model has none.
     buffers: str = ""
+    #: The index of the stored state whose buffers each grid point used, (len(betas),
+    #: len(alphas)); None when no stored buffers were used. The heatmap is piecewise in them.
+    buffer_regions: np.ndarray | None = None
 
 
 class LossSurface:
@@ -151,6 +154,18 @@ class LossSurface:
     def buffer_note(self) -> str:
         """Which buffers the points use, for a view to state; empty when the module has none."""
         return self._buffers.note if self._buffers is not None else ""
+
+    def buffer_regions(self, plane: Plane, grid: Grid) -> np.ndarray | None:
+        """The stored state whose buffers each point of ``grid`` is evaluated with (the rule of
+        :meth:`losses_on_plane`, for every point at once), shape (len(betas), len(alphas));
+        None when the points use no stored buffers."""
+        states = self._buffers.plane_coordinates(plane) if self._buffers is not None else None
+        if states is None:
+            return None
+        a_s, b_s, r2 = states
+        alphas, betas = grid.alphas[None, :, None], grid.betas[:, None, None]
+        distances = np.maximum(r2, 0.0) + (alphas - a_s) ** 2 + (betas - b_s) ** 2
+        return distances.argmin(axis=-1)  # the first of equals, as nearest_on_plane
 
     @property
     def layout(self) -> ParameterLayout:

@@ -59,7 +59,7 @@ def module_loss(module: nn.Module, batch: Any, batch_idx: int = 0) -> torch.Tens
     if loss_source(module) == "dynamics_loss":
         loss = module.dynamics_loss(batch)
     else:
-        with _logging_suppressed(module):
+        with _logging_suppressed(module), _needs_no_trainer(module):
             output = module.training_step(batch, batch_idx)
         loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -67,6 +67,22 @@ def module_loss(module: nn.Module, batch: Any, batch_idx: int = 0) -> torch.Tens
             f"{type(module).__name__}'s loss must be a scalar tensor, got {type(loss).__name__}"
         )
     return loss.reshape(())
+
+
+@contextmanager
+def _needs_no_trainer(module: nn.Module) -> Iterator[None]:
+    """A training step that reads ``self.trainer`` (to log the learning rate, to step a
+    scheduler) cannot run on a model rebuilt offline, which no Trainer holds: say what to add."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "not attached to a `Trainer`" not in str(error):
+            raise
+        raise LossUnavailable(
+            f"{type(module).__name__}.training_step uses self.trainer, and a model rebuilt "
+            "offline is attached to no Trainer: define dynamics_loss(batch) returning the loss "
+            "(the loss rule, docs/loss-rule.md)"
+        ) from None
 
 
 def loss_at(module: nn.Module, tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:

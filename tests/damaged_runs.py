@@ -3,6 +3,14 @@
 Each mutation takes the path of a copy of the real run and damages it in place (or replaces it
 with something that is not a run file at all). :data:`MUTATIONS` names them; the tests run every
 one through every command and the public API that read run files.
+
+:data:`UNTRUSTED` holds the files crafted to make a reader do what a run file never asks for:
+read other files (external links and storage, virtual datasets, FIFOs among their targets),
+follow soft links, allocate gigabytes (huge declared shapes, chunks and attributes), wait
+forever (files cut to a few hundred bytes) or import a module (a named tuple's stored path).
+A reader that fails on one of them hangs or exhausts memory, so the tests read them only in
+child processes under a time and memory limit. Each comes with what its refusal says (None:
+the file is read, and must be read within the limits).
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +136,17 @@ def _running_status(path: Path) -> None:
     _edit(path, change)
 
 
+def _running_on_this_host(pid: int) -> Callable[[h5py.File], None]:
+    """Status running, written by the process ``pid`` of this machine (so readers ask it)."""
+
+    def change(file: h5py.File) -> None:
+        file["status/state"][()] = b"running"
+        file["status/host"][()] = socket.gethostname().encode()
+        file["status/pid"][()] = pid
+
+    return change
+
+
 NAN, INF = np.nan, np.inf
 S = "series/"
 V = "vectors/"
@@ -218,6 +238,8 @@ MUTATIONS: dict[str, Mutation] = {
     "theta_final_short": _vector(V + "theta_final", lambda v: v[:-1]),
     "theta_final_step_nan": _vector(V + "theta_final_step", lambda v: np.array([np.nan])),
     "theta_final_step_2": _vector(V + "theta_final_step", lambda v: np.array([1, 2])),
+    "theta_final_step_inf": _vector(V + "theta_final_step", lambda v: np.array([np.inf])),
+    "theta_final_step_negative": _vector(V + "theta_final_step", lambda v: np.array([-3.0])),
     "probe_batch_wrong_shape": _vector(V + "probe_batch.0", lambda v: v[:, :-1]),
     "probe_batch_deleted": _del(V + "probe_batch.0"),
     "plane_u_short": _vector(V + "plane_u", lambda v: v[:-1]),
@@ -229,6 +251,219 @@ MUTATIONS: dict[str, Mutation] = {
     "status_pid_string": _vector("status/pid", lambda v: b"abc"),
     "status_last_step_float": _vector("status/last_step", lambda v: np.float64(np.nan)),
     "status_wall_time_string": _vector("status/wall_time_s", lambda v: b"soon"),
+    "status_pid_huge": lambda p: _edit(p, _running_on_this_host(2**62)),
+    "status_pid_zero": lambda p: _edit(p, _running_on_this_host(0)),
+}
+
+
+def _beside(path: Path, suffix: str) -> Path:
+    return path.with_name(f"{path.stem}.{suffix}")
+
+
+def _fifo(path: Path) -> Path:
+    """A FIFO beside the run: opening it for reading blocks until a writer comes, never."""
+    fifo = _beside(path, "fifo")
+    os.mkfifo(fifo)
+    return fifo
+
+
+def _text_target(path: Path) -> Path:
+    target = _beside(path, "passwd")
+    target.write_text("root:x:0:0:root:/root:/bin/bash\n" * 4)
+    return target
+
+
+def _external_link(target: Callable[[Path], Path]) -> Mutation:
+    def mutate(path: Path) -> None:
+        where = target(path)
+        _edit(path, lambda f: f.__setitem__(S + "loss/other", h5py.ExternalLink(where, "/x")))
+
+    return mutate
+
+
+def _run_copy(path: Path) -> Path:
+    copy = _beside(path, "copy.h5")
+    shutil.copyfile(path, copy)
+    return copy
+
+
+def _external_storage(target: Callable[[Path], Path]) -> Mutation:
+    """``series/loss/train`` stored in another file, as HDF5's external storage allows."""
+
+    def mutate(path: Path) -> None:
+        where = target(path)
+
+        def change(file: h5py.File) -> None:
+            attrs = dict(file[S + "loss/train"].attrs)
+            rows = file[S + "loss/train"].shape[0]
+            del file[S + "loss/train"]
+            file.create_dataset(
+                S + "loss/train", shape=(rows,), dtype="float32", external=[(where, 0, rows * 4)]
+            )
+            file[S + "loss/train"].attrs.update(attrs)
+
+        _edit(path, change)
+
+    return mutate
+
+
+def _virtual(target: Callable[[Path], Path]) -> Mutation:
+    """``series/loss/train`` a virtual dataset of another file's dataset."""
+
+    def mutate(path: Path) -> None:
+        where = target(path)
+
+        def change(file: h5py.File) -> None:
+            rows = file[S + "loss/train"].shape[0]
+            del file[S + "loss/train"]
+            layout = h5py.VirtualLayout(shape=(rows,), dtype="float32")
+            layout[:] = h5py.VirtualSource(str(where), S + "loss/train", shape=(rows,))
+            file.create_virtual_dataset(S + "loss/train", layout, fillvalue=np.nan)
+
+        _edit(path, change)
+
+    return mutate
+
+
+def _soft_link(name: str, target: str) -> Mutation:
+    return lambda path: _edit(path, lambda f: f.__setitem__(name, h5py.SoftLink(target)))
+
+
+def _declared_rows(group: str, rows: int) -> Mutation:
+    """Every dataset of a series group resized to ``rows`` rows, none of them written."""
+
+    def change(file: h5py.File) -> None:
+        for dataset in file[S + group].values():
+            dataset.resize(rows, axis=0)
+
+    return lambda path: _edit(path, change)
+
+
+def _unwritten_vector(name: str, shape: tuple[int, ...], chunks: bool) -> Mutation:
+    """A vector declared of ``shape``, never written (chunked: no chunk; contiguous: no
+    storage)."""
+
+    def change(file: h5py.File) -> None:
+        del file[name]
+        file.create_dataset(
+            name, shape=shape, dtype="float32", chunks=(1 << 16,) if chunks else None
+        )
+
+    return lambda path: _edit(path, change)
+
+
+def _wide_empty_series(name: str, width: int) -> Mutation:
+    """A series of no rows whose rows would hold ``width`` entries (nothing to store, but
+    each entry is named and drawn)."""
+
+    def change(file: h5py.File) -> None:
+        file.create_dataset(
+            S + name, shape=(0, width), maxshape=(None, width), dtype="float32", chunks=(1, width)
+        )
+
+    return lambda path: _edit(path, change)
+
+
+def _huge_gzip_chunk(path: Path) -> None:
+    """``series/loss/train``: its values in one gzip chunk of 256 MiB (about 250 KiB stored),
+    written as compressed bytes so that making it costs no memory."""
+    import zlib
+
+    entries = 1 << 26
+    compressor, zeros = zlib.compressobj(), bytes(1 << 24)
+    data = b"".join(compressor.compress(zeros) for _ in range(entries * 4 // len(zeros)))
+    data += compressor.flush()
+
+    def change(file: h5py.File) -> None:
+        attrs = dict(file[S + "loss/train"].attrs)
+        rows = file[S + "loss/train"].shape[0]
+        del file[S + "loss/train"]
+        dataset = file.create_dataset(
+            S + "loss/train",
+            shape=(rows,),
+            maxshape=(None,),
+            dtype="float32",
+            chunks=(entries,),
+            compression="gzip",
+        )
+        dataset.id.write_direct_chunk((0,), data)
+        dataset.attrs.update(attrs)
+
+    _edit(path, change)
+
+
+def _cut_at(size: int) -> Mutation:
+    def mutate(path: Path) -> None:
+        path.write_bytes(path.read_bytes()[:size])
+
+    return mutate
+
+
+#: The module a crafted named tuple names: planted in the working directory of the reader.
+PLANTED_MODULE = "planted_batch_types"
+
+
+def _named_tuple_batch(type_path: str, fields: tuple[str, str] = ("x", "y")) -> Mutation:
+    """The probe batch's structure rewritten as a named tuple of the class ``type_path``."""
+
+    def change(file: h5py.File) -> None:
+        probes = json.loads(file.attrs["probes"])
+        for probe in probes:
+            settings = probe.get("settings") or {}
+            if "probe_batch_structure" in settings:
+                leaves = [{"tensor": 0}, {"tensor": 1}]
+                settings["probe_batch_structure"] = {
+                    "namedtuple": type_path,
+                    "fields": list(fields),
+                    "items": leaves,
+                }
+        file.attrs["probes"] = json.dumps(probes)
+
+    return lambda path: _edit(path, change)
+
+
+GiB = 1 << 30
+
+#: ``{name: (mutation, what its refusal says, or None when the file is read)}``.
+UNTRUSTED: dict[str, tuple[Mutation, str | None]] = {
+    "external_link_to_run": (_external_link(_run_copy), "links to another file"),
+    "external_link_to_fifo": (_external_link(_fifo), "links to another file"),
+    "external_storage_text": (_external_storage(_text_target), "external storage"),
+    "external_storage_fifo": (_external_storage(_fifo), "external storage"),
+    "virtual_dataset_of_run": (_virtual(_run_copy), "virtual dataset"),
+    "virtual_dataset_of_fifo": (_virtual(_fifo), "virtual dataset"),
+    "soft_link_inside": (_soft_link(S + "loss/alias", "/" + S + "loss/train"), "soft link"),
+    "soft_link_dangling": (_soft_link(S + "loss/alias", "/nowhere"), "soft link"),
+    "soft_link_cycle": (_soft_link(S + "loss/loop", "/series"), "soft link"),
+    "declared_rows_huge": (_declared_rows("loss", 1 << 31), "more than it stores"),
+    "declared_rows_snapshots": (_declared_rows("snapshots", 1 << 22), "more than it stores"),
+    "vector_chunked_unwritten": (
+        _unwritten_vector(V + "probe_batch.0", (16 * GiB,), chunks=True),
+        "more than it stores",
+    ),
+    # Never written, never allocated: read as unwritten without reading (or refused by shape).
+    "vector_contiguous_unwritten": (
+        _unwritten_vector(V + "hessian_float_bits", (16 * GiB,), chunks=False),
+        None,
+    ),
+    "chunk_gzip_256mib": (_huge_gzip_chunk, "has chunks of"),
+    "row_of_2_28_columns": (_wide_empty_series("hidden_norms/wide", 1 << 28), "has rows of"),
+    "run_name_20mb": (_set_attr("run_name", "x" * 20_000_000), "attribute 'run_name' holds"),
+    "config_20mb": (
+        _set_attr("config", json.dumps({"k": "x" * 20_000_000})),
+        "attribute 'config' holds",
+    ),
+    "attribute_array": (
+        _set_attr("columns", np.array(["a"] * 100_000, dtype="S1"), S + "hidden_norms/norm"),
+        "not one value",
+    ),
+    "truncated_100_bytes": (_cut_at(100), "too short"),
+    "truncated_512_bytes": (_cut_at(512), "too short"),
+    "truncated_2000_bytes": (_cut_at(2000), "not a readable run file"),
+    "named_tuple_planted_module": (_named_tuple_batch(f"{PLANTED_MODULE}.Batch"), None),
+    "named_tuple_stdlib_module": (_named_tuple_batch("this.Batch"), None),
+    # Not a named tuple anyone could define: refused where the batch is rebuilt (plane).
+    "named_tuple_bad_fields": (_named_tuple_batch("os.system", ("__class__", "y")), None),
 }
 
 
@@ -237,7 +472,7 @@ def make_damaged(source: Path, name: str, folder: Path) -> Path:
     a file at rest, which readers do not wait for as they wait for a file being written."""
     path = folder / f"{name}.h5"
     shutil.copyfile(source, path)
-    MUTATIONS[name](path)
+    MUTATIONS[name](path) if name in MUTATIONS else UNTRUSTED[name][0](path)
     an_hour_ago = time.time() - 3600
     os.utime(path, (an_hour_ago, an_hour_ago))
     return path

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -261,3 +265,158 @@ def test_a_file_being_created_is_read_once_it_is_whole(real_runs, tmp_path):
     with pytest.raises(DynamicsError, match="not a readable run file"):
         open_run(path)
     assert time.monotonic() - started >= LIVE_RETRY_S
+
+
+# ---------------------------------------------------------------------------------------------
+# Untrusted files: read only in child processes, under a time and a memory limit
+
+UNTRUSTED = damaged_runs.UNTRUSTED
+#: The address space a reading command gets: torch and a plane of the tiny run fit in 2 GiB,
+#: so a 64 GiB declared dataset or a 1 GiB chunk read whole cannot.
+MEMORY_LIMIT = int(2.5 * 2**30)
+#: Seconds each command may take on a crafted file (the child's start, torch's import, comes on
+#: top): a refusal takes milliseconds, the tiny run's plane about one second.
+COMMAND_SECONDS = 15
+_PLANTED = """
+import collections, pathlib
+pathlib.Path("IMPORTED").write_text("the run file's module ran")
+Batch = collections.namedtuple("Batch", ["x", "y"])
+"""
+_CHILD = r"""
+import contextlib, io, json, resource, sys, time, warnings
+limit, commands, results = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+warnings.simplefilter("ignore")
+from dynamics.cli import main
+answers = []
+for argv in commands:
+    stderr, started = io.StringIO(), time.monotonic()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+    answers.append({"argv": argv, "code": code, "stderr": stderr.getvalue(),
+                    "seconds": time.monotonic() - started})
+    with open(results, "w") as file:
+        json.dump(answers, file)
+"""
+
+
+def _untrusted_commands(damaged: Path, good: Path, out: Path) -> list[list[str]]:
+    commands = _commands(damaged, good, out)
+    return [commands[name] for name in ("info", "overshoot", "report", "compare_reference")] + [
+        commands["plane"]
+    ]
+
+
+def _regular_files(folder: Path) -> dict[str, str]:
+    """Digests of the folder's regular files (a FIFO is never opened: it would block)."""
+    return {p.name: _digest(p) for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _read_in_child(tmp_path: Path, damaged: Path, good: Path) -> tuple[list[dict], str]:
+    """Every command on ``damaged``, in a child process limited in memory and time, from a
+    working directory holding a planted module; its answers and its stdout."""
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    out.mkdir()
+    cwd.mkdir()
+    (cwd / f"{damaged_runs.PLANTED_MODULE}.py").write_text(_PLANTED)
+    results = tmp_path / "answers.json"
+    commands = _untrusted_commands(damaged, good, out)
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(MEMORY_LIMIT), json.dumps(commands), str(results)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60 + COMMAND_SECONDS * len(commands),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert not (cwd / "IMPORTED").exists(), "a module the run file named was imported"
+    return json.loads(results.read_text()), child.stdout
+
+
+@pytest.mark.parametrize("kind", list(UNTRUSTED))
+def test_an_untrusted_file_is_refused_in_one_line_within_time_and_memory(real_runs, tmp_path, kind):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    damaged = make_damaged(real_runs[1], kind, folder)
+    refusal = UNTRUSTED[kind][1]
+    before = _regular_files(folder), _digest(real_runs[0])
+    answers, stdout = _read_in_child(tmp_path, damaged, real_runs[0])
+    assert "Beautiful is better than ugly" not in stdout, "the module `this` was imported"
+    assert len(answers) == len(_untrusted_commands(damaged, real_runs[0], tmp_path))
+    for answer in answers:
+        where = f"{answer['argv'][0]}: {answer['stderr']}"
+        assert answer["seconds"] < COMMAND_SECONDS, where
+        if refusal is not None:
+            assert answer["code"] == 2 and refusal in answer["stderr"], where
+        assert answer["code"] in (0, 2), where
+        if answer["code"] == 2:
+            assert answer["stderr"].startswith("dynamics"), where
+            _assert_one_line(answer["stderr"])
+    if refusal is not None:
+        assert not list((tmp_path / "out").iterdir()), "a refused command left output"
+    assert (_regular_files(folder), _digest(real_runs[0])) == before, "a reader changed a file"
+
+
+def test_a_crafted_named_tuple_is_rebuilt_from_its_fields_alone(real_runs, tmp_path):
+    from dynamics.rebuild import probe_batch
+
+    run = open_run(make_damaged(real_runs[1], "named_tuple_planted_module", tmp_path))
+    batch = probe_batch(run)
+    assert type(batch).__name__ == "Batch" and batch._fields == ("x", "y")
+    assert type(batch).__module__ != damaged_runs.PLANTED_MODULE
+    assert damaged_runs.PLANTED_MODULE not in sys.modules
+    run = open_run(make_damaged(real_runs[1], "named_tuple_bad_fields", tmp_path))
+    with pytest.raises(DynamicsError, match="not 256 or fewer distinct identifiers"):
+        probe_batch(run)
+
+
+@pytest.mark.parametrize(
+    ("mutation", "message"),
+    [
+        ("status_pid_huge", "status/pid is 4611686018427387904, not a process id"),
+        ("status_pid_zero", "status/pid is 0, not a process id"),
+    ],
+)
+def test_a_status_pid_that_is_no_process_id_is_damage(
+    real_runs, tmp_path, capsys, mutation, message
+):
+    damaged = make_damaged(real_runs[1], mutation, tmp_path)
+    assert main(["info", str(damaged)]) == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr, stderr
+    _assert_one_line(stderr)
+
+
+def test_a_theta_final_step_that_is_no_step_is_damage(real_runs, tmp_path):
+    for mutation, value in (("theta_final_step_inf", "inf"), ("theta_final_step_negative", "-3.0")):
+        run = open_run(make_damaged(real_runs[1], mutation, tmp_path))
+        with pytest.raises(DynamicsError, match=f"theta_final_step is {value}, not a step"):
+            run.stored_states()
+
+
+def test_a_live_runs_later_reads_retry_like_its_open(real_runs, tmp_path):
+    """A reader that opened a live run and reads again while the writer is between two of
+    HDF5's writes waits a moment for the file, as its open did."""
+    path = tmp_path / "live.h5"
+    shutil.copyfile(real_runs[1], path)
+    run = open_run(path)
+    path.write_bytes(b"\x89HDF\r\n")  # modified now: a live file, unreadable for a moment
+    threading.Timer(0.3, shutil.copyfile, (real_runs[1], path)).start()
+    assert run.status().state == names.FINISHED
+
+
+def test_a_file_replaced_after_its_open_is_inspected_again(real_runs, tmp_path):
+    """Each read opens the file anew, and each open inspects it: a run file swapped for one
+    that keeps its data in another file is refused on the next read, not read."""
+    path = tmp_path / "run.h5"
+    shutil.copyfile(real_runs[1], path)
+    run = open_run(path)
+    (tmp_path / "crafted").mkdir()
+    crafted = make_damaged(real_runs[1], "external_storage_text", tmp_path / "crafted")
+    shutil.copyfile(crafted, path)
+    with pytest.raises(DynamicsError, match="external storage"):
+        run.series(names.LOSS)

@@ -60,7 +60,8 @@ def test_the_default_recorder_records_a_9m_parameter_model(tmp_path, quiet_train
         "expected": None,
         "dtype": "float32",
         "bytes_each": 4 * 9_003_000,
-        "budget_mb": 64.0,
+        "budget_mb": 64.0,  # the default's ceiling: 8 snapshots would take 274 MiB
+        "budget": "default",
     }
 
 
@@ -85,7 +86,8 @@ def test_half_precision_snapshots_fit_where_float32_ones_do_not(
         "expected": 2,
         "dtype": dtype,
         "bytes_each": 2 * 9_003_000,
-        "budget_mb": 64.0,
+        "budget_mb": 64.0,  # the default's ceiling: 8 snapshots would take 274 MiB
+        "budget": "default",
     }
     with h5py.File(path) as file:  # half the bytes on disk, and the precision is said there
         stored = file["series/snapshots/theta"]
@@ -123,3 +125,42 @@ def test_arguments_are_checked_and_nothing_is_declared_before_setup():
         ParameterDisplacement(snapshot_dtype="int8")
     probe = ParameterDisplacement()
     assert probe.series() == probe.vectors() == probe.settings() == {}
+
+
+def test_the_default_budget_of_a_50k_parameter_run_stays_small_and_plane_still_draws(
+    tmp_path, quiet_trainer, dynamics
+):
+    """200 steps of a 50,112-parameter model (issue 22 item 11: such runs made 50–60 MB files):
+    the default budget holds floor(4 MiB / 200,448 bytes) = 20 snapshots, period ceil(200 / 19)
+    = 11, and `dynamics plane` draws the two runs from them."""
+    from dynamics.callbacks import GradientPlane
+    from dynamics.experiments import TeacherStudentData, TeacherStudentModule
+
+    arch = dict(width=64, expansion=2, depth=3)
+    paths = [tmp_path / "a.h5", tmp_path / "b.h5"]
+    for path, shift in zip(paths, ("none", "expected")):
+        module = TeacherStudentModule(**arch, shift=shift)
+        assert sum(p.numel() for p in module.parameters()) == 50_112
+        probes = [ParameterDisplacement(every_n_steps=10), GradientPlane()]
+        recorder = DynamicsRecorder(path, probes)
+        data = TeacherStudentData(**arch, batch_size=16)
+        quiet_trainer(max_steps=200, callbacks=[recorder]).fit(module, data)
+    run = open_run(paths[0])
+    snapshots = run.series("snapshots")
+    np.testing.assert_array_equal(snapshots.step, np.arange(0, 200, 11))
+    assert displacement_settings(run) == {
+        "period": 11,
+        "expected": 19,
+        "dtype": "float32",
+        "bytes_each": 4 * 50_112,
+        "budget_mb": 4.0,
+        "budget": "default",
+    }
+    size = paths[0].stat().st_size
+    assert size < 5 * 2**20, size  # 4 MiB of snapshots, θ0, θT, g0 and the series
+    info = dynamics("info", paths[0])
+    assert "snapshots 19 of θ (every 11 steps, 3.6 MiB; default budget 4 MiB)" in info.stdout
+    out = tmp_path / "plane.html"
+    result = dynamics("plane", *paths, "-o", out, "--grid", "5", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 100_000

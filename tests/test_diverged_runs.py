@@ -139,7 +139,7 @@ def test_plane_draws_the_finite_checkpoints_of_a_diverged_run(runs, dynamics, tm
     result = dynamics(*args, "--processes", "1", "--no-progress")
     assert result.returncode == 0, result.stderr
     assert f"diverged.h5 diverged at step {step} (its θT is not finite)" in result.stdout
-    with h5py.File(out.with_suffix(".h5")) as views:
+    with h5py.File(out.with_suffix(".plane.h5")) as views:
         titles = [views[v].attrs["title"] for v in views]
         assert [t for t in titles if "out-of-plane" in t] == ["out-of-plane view of ok (p̂, w)"]
         for view in views.values():

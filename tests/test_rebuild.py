@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dynamics import cli, open_run
-from dynamics.batch_tree import flatten_batch, unflatten_batch
+from dynamics.batch_tree import flatten_batch, named_tuple_classes, unflatten_batch
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.errors import DynamicsError
 from dynamics.loss_rule import module_loss
@@ -208,7 +208,7 @@ def test_plane_through_a_model_file_matches_direct_evaluation(bn_runs, dynamics,
     thetas = np.stack([s.theta for s in states]).astype(np.float64)
     rebuilt = rebuild_module(run, model=model)
     layout = ParameterLayout.of(rebuilt)
-    with h5py.File(folder / "plane.h5") as views:
+    with h5py.File(folder / "plane.plane.h5") as views:
         view = views["view1"]  # the initial-gradient plane under the fast run's model
         assert view.attrs["run"] == "fast"
         assert "nearest to it in parameter space" in view.attrs["buffers"]
@@ -368,12 +368,18 @@ def test_batch_structure_round_trips_exactly():
         "pair": Pair(x=t[0], y=2.5),
     }
     tree, leaves = flatten_batch(batch)
-    rebuilt = unflatten_batch(tree, [leaf.clone() for leaf in leaves])
+    rebuilt = unflatten_batch(tree, [leaf.clone() for leaf in leaves], named_tuple_classes(batch))
     assert list(rebuilt) == ["x", "nested", "pair"]
     assert torch.equal(rebuilt["x"], t[0]) and rebuilt["nested"][0][1] == "label"
     assert isinstance(rebuilt["nested"][0], tuple) and isinstance(rebuilt["nested"], list)
     assert torch.equal(rebuilt["nested"][1][3], t[2]) and rebuilt["nested"][1]["none"] is None
     assert type(rebuilt["pair"]) is Pair and rebuilt["pair"].y == 2.5
+    # From the tree alone (as read from a file): a named tuple of the same name and fields.
+    alone = unflatten_batch(tree, leaves)["pair"]
+    assert (
+        type(alone) is not Pair and type(alone).__name__ == "Pair" and alone._fields == ("x", "y")
+    )
+    assert torch.equal(alone.x, t[0]) and alone.y == 2.5
 
 
 def test_a_dict_probe_batch_is_rebuilt_as_a_dict(bn_runs):

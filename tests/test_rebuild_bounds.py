@@ -116,7 +116,7 @@ def test_crafted_init_args_are_refused_before_the_model_is_built(runs, tmp_path,
         "plane", runs[0], crafted, "-o", out, "--grid", "3", "--processes", "1"
     )
     _assert_refused(result, seconds, crafted.name, *words)
-    assert not out.exists() and not out.with_suffix(".h5").exists()
+    assert not out.exists() and not out.with_suffix(".plane.h5").exists()
 
 
 def test_a_crafted_depth_is_stopped_while_the_constructor_runs(runs, tmp_path):

@@ -156,12 +156,19 @@ def test_a_series_whose_view_cannot_draw_its_rows_is_refused_where_it_is_declare
         SeriesSpec(shape=shape, view=View(kind, "title"))
 
 
-def test_create_refuses_a_directory_and_a_series_named_step(tmp_path):
+def test_create_refuses_a_directory(tmp_path):
     with pytest.raises(RunFileError, match="is a directory"):
         RunWriter.create(tmp_path, {"loss": {"train": SeriesSpec()}}, {}, {}, overwrite=True)
-    with pytest.raises(ValueError, match="series named 'step'"):
-        RunWriter.create(tmp_path / "run.h5", {"loss": {"step": SeriesSpec()}}, {}, {})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_series_named_step_is_its_own_beside_the_step_index(tmp_path):
+    # Its dataset has a safe name of its own (names.series_name), so no name is refused.
+    writer = RunWriter.create(tmp_path / "run.h5", {"loss": {"step": SeriesSpec()}}, {}, {})
+    writer.append("loss", 3, {"step": 7.0})
+    writer.close()
+    rows = open_run(tmp_path / "run.h5").series("loss")
+    assert rows.step.tolist() == [3] and rows["step"].tolist() == [7.0]
 
 
 def test_a_group_is_written_once_its_rows_fill_block_bytes(tmp_path):

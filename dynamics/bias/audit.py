@@ -29,7 +29,13 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.dropout import _DropoutNd
 
 from dynamics.activations import ShiftedActivation, expected_value
-from dynamics.batch_tree import ForwardArguments, call_forward, flatten_batch, unflatten_batch
+from dynamics.batch_tree import (
+    ForwardArguments,
+    call_forward,
+    flatten_batch,
+    named_tuple_classes,
+    unflatten_batch,
+)
 from dynamics.bias.shift import ACTIVATION_MODULES, functional_activations
 from dynamics.bias_audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
 from dynamics.errors import DynamicsError, one_line
@@ -443,7 +449,9 @@ def _origin(model: nn.Module, example_input: Any, draws: int, seed: int) -> Orig
     if not leaves or not all(t.is_floating_point() for t in leaves):
         return skipped("the input is not all floating point: token ids have no origin")
     try:
-        zero = unflatten_batch(tree, [torch.zeros_like(t) for t in leaves])
+        live = example_input.tree if arguments else example_input
+        zeros = [torch.zeros_like(t) for t in leaves]
+        zero = unflatten_batch(tree, zeros, named_tuple_classes(live))
         zero = ForwardArguments(*zero) if arguments else zero
         twin = module_copy(model)
     except Exception as error:  # an unsupported batch type, a module that cannot be copied

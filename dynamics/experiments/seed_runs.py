@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dynamics.analysis.comparison import loss_crossover
 from dynamics.analysis.groups import overtaking_step
 from dynamics.analysis.output import check_existing_output, write_atomically
 from dynamics.errors import DynamicsError
@@ -461,7 +462,7 @@ def crossover_steps(
     for variant in names:
         if variant == baseline:
             continue
-        steps, why = {}, {}
+        steps, why, brackets = {}, {}, []
         for (name, seed), result in sorted(results.items(), key=lambda item: item[0][1]):
             if name != variant or (baseline, seed) not in results:
                 continue
@@ -471,10 +472,16 @@ def crossover_steps(
                 why[str(seed)] = step
             else:
                 steps[seed] = float(step)
+                brackets.append(loss_crossover(a, b, (baseline, variant)).bracket)
         crossover[variant] = {
             "baseline": baseline,
             **_stats(steps),
             "not_measured": why,
+            # The held-out records every seed's crossing lies between: the interpolated steps
+            # are no more precise than the evaluations that bracket them.
+            "bracket": (
+                [min(lo for lo, _ in brackets), max(hi for _, hi in brackets)] if brackets else None
+            ),
         }
     return crossover
 

@@ -84,10 +84,21 @@ def run_tree(run: Run, groups: list[str] | None = None) -> xr.DataTree:
     xr = _require("xarray")
     if groups is None:
         groups = [g for g in run.groups if g not in UNREAD_BY_DEFAULT]
-    nodes = {f"/{group}": run.series(group).to_xarray() for group in groups}
+    nodes = {f"/{group}": _tree_safe(run.series(group).to_xarray()) for group in groups}
     tree = xr.DataTree.from_dict(nodes, name=run.name)
     tree.attrs = {"run_name": run.name, "path": str(run.path)}
     return tree
+
+
+def _tree_safe(dataset: xr.Dataset) -> xr.Dataset:
+    """A DataTree refuses variables named with "/" (Lightning's ``val_loss/dataloader_idx_0``):
+    those take their dataset's safe name (:func:`names.series_name`), the name as logged kept
+    in the variable's ``declared_name`` attribute."""
+    renamed = {n: names.series_name(n) for n in dataset.data_vars if "/" in str(n)}
+    dataset = dataset.rename(renamed)
+    for original, safe in renamed.items():
+        dataset[safe].attrs[names.ATTR_NAME] = original
+    return dataset
 
 
 def _column_labels(

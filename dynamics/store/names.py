@@ -5,6 +5,8 @@ A group is a set of series sharing one ``step`` index; each group's series names
 A user's own probe may add groups of any other name.
 """
 
+from urllib.parse import quote, unquote
+
 # Root attributes.
 ATTR_RUN_NAME = "run_name"
 ATTR_CONFIG = "config"
@@ -33,6 +35,41 @@ EDIT_INIT_BIASES = "init_biases"  # table rows: module, parameter, value
 ATTR_COLUMNS = "columns"  # names of a series' last axis
 ATTR_VIEW = "view"  # how a series is drawn (schema.View as JSON)
 ATTR_ENCODING = "encoding"  # how stored values decode, e.g. "bfloat16" kept as its uint16 bits
+# A series' name as its probe declared it (any text, e.g. Lightning's "val_loss/dataloader_idx_0");
+# its dataset is named series_name() of it. Files from before it was stored name series as is.
+ATTR_NAME = "declared_name"
+
+#: Characters a series keeps in its dataset's name besides ASCII letters and digits (and the
+#: "~" quote always keeps); every other byte is escaped as %XX.
+_SAFE = "_.-"
+#: Dataset names that a plain escape would keep but that mean something else in a group: its
+#: step index, HDF5's own "." and "..", and the empty name.
+_RESERVED = {"step", ".", ".."}
+_EMPTY = "%"  # no escaped name is a lone "%"
+
+
+def series_name(name: str) -> str:
+    """The dataset name of a series declared as ``name``: safe for HDF5 and any of its tools
+    (no ``/``, no ``.`` alone, ASCII), one-to-one, and ``name`` itself for plain names.
+
+    ASCII letters, digits and ``_.-~`` are kept; every other byte of the UTF-8 name is written
+    ``%XX``; a name a group reserves (``step``, ``.``, ``..``) has its first character escaped.
+    :func:`declared_name` inverts it.
+    """
+    if not name:
+        return _EMPTY
+    safe = quote(name, safe=_SAFE, encoding="utf-8", errors="surrogatepass")
+    if safe in _RESERVED:
+        safe = f"%{ord(safe[0]):02X}{safe[1:]}"
+    return safe
+
+
+def declared_name(dataset_name: str) -> str:
+    """The series name :func:`series_name` turned into ``dataset_name``."""
+    if dataset_name == _EMPTY:
+        return ""
+    return unquote(dataset_name, encoding="utf-8", errors="surrogatepass")
+
 
 # Events: one row per thing a probe reported (disabled, failed, warned), its own step index.
 EVENTS = "events"

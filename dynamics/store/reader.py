@@ -2,6 +2,8 @@
 
 A run still being written, or whose writer was killed, is read in SWMR mode (HDF5 refuses a
 plain open of such a file); a finished one is opened plainly, which also detects truncation.
+Every open is bounded in time (:mod:`dynamics.store.opening`) and the file inspected before any
+of its data is read (:mod:`dynamics.store.inspection`): a run file is untrusted data.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import h5py
 import numpy as np
 
 from dynamics.errors import DynamicsError
 from dynamics.store import frames, names
+from dynamics.store.inspection import allocated, inspect_file
+from dynamics.store.opening import check_head, open_live
 from dynamics.store.schema import (
     BFLOAT16,
     PARAMETER_VECTORS,
@@ -398,7 +402,12 @@ class Run:
     def _final_step(self) -> int:
         step = self.vector(names.THETA_FINAL_STEP)
         if step is not None:
-            return int(step[0])
+            value = step[0]
+            if not (np.isfinite(value) and value >= 0 and value == int(value)):
+                raise RunFileError(
+                    f"{self.path}: {VECTORS}/{names.THETA_FINAL_STEP} is {value}, not a step"
+                )
+            return int(value)
         # Files from before the step was stored: one past the last recorded training step.
         last = [
             rows.step[-1]
@@ -418,7 +427,8 @@ class Run:
         parameters stay finite is no divergence (an AMP step skipped, a loss not returned), and
         non-finite stored parameters that no measurement explains are damage, not divergence.
         """
-        with _reading(self.path, "its divergence") as file:
+
+        def first_divergent_step(file: h5py.File) -> int | None:
             series = file[SERIES] if SERIES in file else {}
             displaced = _first_nonfinite_step(series, names.DISPLACEMENT, names.DISPLACEMENT_TOTAL)
             loss = _nonfinite_to_the_end(series, names.LOSS, names.LOSS_TRAIN)
@@ -426,7 +436,9 @@ class Run:
             if displaced is None and not (loss is not None and self._final_not_finite(file)):
                 return None
             snapshot = _first_nonfinite_snapshot(series, before=min(evidence))
-        return min(evidence + ([snapshot] if snapshot is not None else []))
+            return min(evidence + ([snapshot] if snapshot is not None else []))
+
+        return _read(self.path, "its divergence", first_divergent_step)
 
     def _final_not_finite(self, file: h5py.File) -> bool:
         """Whether θT is stored with its step and is not finite."""
@@ -458,8 +470,8 @@ class Run:
                 f"{self.path.name} has no series {group!r} (has {', '.join(self.groups)})"
             )
         if group not in self._series:
-            with _reading(self.path, f"series {group!r}") as file:
-                step, values = _read_rows(file[SERIES][group])
+            what = f"series {group!r}"
+            step, values = _read(self.path, what, lambda file: _read_rows(file[SERIES][group]))
             columns = {n: d.columns for n, d in self._declared[group].items() if d.columns}
             self._series[group] = Series(step, values, columns, self.views(group), group)
         return self._series[group]
@@ -531,10 +543,8 @@ class Run:
         """
         if name not in self.vector_names:
             return None
-        with _reading(self.path, f"vector {name!r}") as file:
-            value = file[VECTORS][name][...]
-            unfilled = _unwritten(file, name, value)
-        if unfilled:
+        value = _read(self.path, f"vector {name!r}", lambda file: _filled_vector(file, name))
+        if value is None:
             return None
         if name in PARAMETER_VECTORS and not np.isfinite(value).all():
             if name == names.THETA_FINAL and self.diverged_at is not None:
@@ -555,15 +565,10 @@ class Run:
 
         Read anew at each call, so a live run's latest events show.
         """
-        with _reading(self.path, names.EVENTS) as file:
-            if names.EVENTS not in file:
-                return []
-            group = file[names.EVENTS]
-            steps = _checked(group, STEP, self.path, "iu", ndim=1)[:]
-            fields = [
-                _checked(group, name, self.path, "S", ndim=1)[:]
-                for name in (names.EVENT_PROBE, names.EVENT_KIND, names.EVENT_MESSAGE)
-            ]
+        read = _read(self.path, names.EVENTS, lambda file: _event_fields(file, self.path))
+        if read is None:
+            return []
+        steps, fields = read
         # A killed writer can leave a row's fields without its step, or a step unwritten.
         rows = min(len(steps), *map(len, fields))
         return [
@@ -574,16 +579,12 @@ class Run:
 
     def status(self) -> RunStatus:
         """The run's state, last flushed step and wall time, read anew at each call."""
-        with _reading(self.path, names.STATUS) as file:
-            if names.STATUS not in file:
-                return RunStatus(names.UNKNOWN)
-            fields = {
-                name: _decoded_text(_checked(file[names.STATUS], name, self.path, kinds, 0)[()])
-                for name, kinds in _STATUS_KINDS.items()
-            }
+        fields = _read(self.path, names.STATUS, lambda file: _status_fields(file, self.path))
+        if fields is None:
+            return RunStatus(names.UNKNOWN)
         state = fields[names.STATUS_STATE]
         if state == names.RUNNING and not _writer_alive(
-            fields[names.STATUS_HOST], fields[names.STATUS_PID]
+            self.path, fields[names.STATUS_HOST], fields[names.STATUS_PID]
         ):
             state = names.KILLED
         last_step = fields[names.STATUS_LAST_STEP]
@@ -600,9 +601,10 @@ class Run:
         """Series lengths, step ranges, status, events and metadata, as ``dynamics info``
         prints them."""
         series = {}
+
         # Only each group's step index and extents are read, and each vector's first entry: a
         # snapshot group can hold gigabytes that a summary never needs.
-        with _reading(self.path, "its steps") as file:
+        def steps_and_vectors(file: h5py.File) -> tuple[dict, dict]:
             spans = {group: _step_span(file[SERIES][group]) for group in self.groups}
             vectors = {
                 name: list(shape)
@@ -612,6 +614,9 @@ class Run:
             final_start = (
                 file[VECTORS][names.THETA_FINAL][:1] if names.THETA_FINAL in vectors else ()
             )
+            return spans, vectors, final_start
+
+        spans, vectors, final_start = _read(self.path, "its steps", steps_and_vectors)
         if not np.isfinite(final_start).all():
             self.vector(names.THETA_FINAL)  # a NaN θT is a diverged run's, or damage: refused
         for group, (rows, first, last) in spans.items():
@@ -669,15 +674,7 @@ def open_run(path: str | os.PathLike) -> Run:
         raise RunFileError(f"{path}: is a directory, not a run file")
     if not path.is_file():
         raise RunFileError(f"{path}: no such file")
-    deadline = time.monotonic() + LIVE_RETRY_S
-    while True:
-        try:
-            return _read_run(path)
-        except RunFileError:
-            live = time.time() - path.stat().st_mtime < LIVE_RETRY_S
-            if not live or time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)
+    return _retrying(path, lambda: _read_run(path))
 
 
 def run_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
@@ -700,6 +697,37 @@ def run_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
 
 #: Seconds a file modified this recently is read again when it cannot be read yet.
 LIVE_RETRY_S = 1.0
+
+
+_T = TypeVar("_T")
+
+
+def _retrying(path: Path, read: Callable[[], _T]) -> _T:
+    """``read()``, tried again for a moment while the file is being written (modified within
+    :data:`LIVE_RETRY_S`): its writer may be between two of HDF5's writes. Every read of a run
+    retries so, its open and each later read alike."""
+    deadline = time.monotonic() + LIVE_RETRY_S
+    while True:
+        try:
+            return read()
+        except RunFileError:
+            try:
+                live = time.time() - path.stat().st_mtime < LIVE_RETRY_S
+            except OSError:  # gone or unreadable now: the error stands
+                live = False
+            if not live or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def _read(path: Path, what: str, read: Callable[[h5py.File], _T]) -> _T:
+    """``read(file)`` on the file open for reading, retried while it is live."""
+
+    def once() -> _T:
+        with _reading(path, what) as file:
+            return read(file)
+
+    return _retrying(path, once)
 
 
 def _read_run(path: Path) -> Run:
@@ -726,13 +754,24 @@ def _read_run(path: Path) -> Run:
 
 @contextlib.contextmanager
 def _reading(path: Path, what: str) -> Iterator[h5py.File]:
-    """The file open for reading, any failure of HDF5 or of its layout turned into one line."""
+    """The file open for reading and inspected, before any of its data is read (at every open:
+    the file at the path may have been replaced since), any failure of HDF5 or of its layout
+    turned into one line."""
     try:
         with _open(path) as file:
+            inspect_file(file, path)
             yield file
     except RunFileError:
         raise
-    except (OSError, KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:
+    except (
+        OSError,
+        KeyError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        RuntimeError,
+        MemoryError,  # a read beyond the memory limit: still one line
+    ) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise RunFileError(
             f"{path}: cannot read {what}, not a readable run file (truncated or corrupted?): "
@@ -745,7 +784,7 @@ def _root_attrs(file: h5py.File, path: Path) -> dict[str, Any]:
     for name, value in file.attrs.items():
         try:
             attrs[name] = decode_attr(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested beyond reason
             raise RunFileError(f"{path}: attribute {name!r} is not valid JSON") from None
     if attrs.get("schema") != SCHEMA:
         raise RunFileError(f"{path}: not a dynamics run file (no '{SCHEMA}' schema)")
@@ -822,9 +861,14 @@ def _declared_group(path: Path, group: str, members: Any, size: int | None) -> d
             continue
         dataset = _checked(members, name, path, "biuf")
         where = f"{SERIES}/{group}/{name}"
+        key = series_key(name, dataset)
+        stored = names.ATTR_NAME in dataset.attrs
+        if not isinstance(key, str) or (stored and names.series_name(key) != name):
+            # Two datasets must never read as one series.
+            raise RunFileError(f"{path}: {where} names its series {key!r}, which is not its own")
         if dataset.ndim == 0:
             raise RunFileError(f"{path}: {where} is a scalar, not one row per step")
-        snapshot = (group, name) == (names.SNAPSHOTS, names.SNAPSHOT_THETA)
+        snapshot = (group, key) == (names.SNAPSHOTS, names.SNAPSHOT_THETA)
         if snapshot and (dataset.ndim != 2 or size not in (None, dataset.shape[1])):
             raise RunFileError(
                 f"{path}: {where} has shape {dataset.shape}, not one row of the layout's "
@@ -833,8 +877,15 @@ def _declared_group(path: Path, group: str, members: Any, size: int | None) -> d
         encoding = dataset.attrs.get(names.ATTR_ENCODING)
         if encoding is not None and (encoding != BFLOAT16 or dataset.dtype != np.uint16):
             raise RunFileError(f"{path}: {where} has the unknown encoding {encoding!r}")
-        declared[name] = _declared(dataset, path, where)
+        declared[key] = _declared(dataset, path, where)
     return declared
+
+
+def series_key(dataset_name: str, dataset: h5py.Dataset) -> Any:
+    """The name a series was declared under: its stored name (``names.ATTR_NAME``), else, in
+    files from before names were stored, its dataset's name."""
+    key = dataset.attrs.get(names.ATTR_NAME, dataset_name)
+    return key.decode(errors="surrogateescape") if isinstance(key, bytes) else key
 
 
 def _check_drawable(path: Path, declared: dict[str, dict[str, _Declared]]) -> None:
@@ -921,10 +972,11 @@ def _complete_column(group: h5py.Group, name: str) -> tuple[np.ndarray, np.ndarr
     """``(step, values)`` of one series' complete rows, its group's other series unread."""
     step = group[STEP][:]
     n = _complete_rows(step, [d.shape[0] for key, d in group.items() if key != STEP])
-    return step[:n], _values(group[name])[:n]
+    return step[:n], _values(group[name], n)
 
 
 def _open(path: Path) -> h5py.File:
+    check_head(path)  # before HDF5 reads a byte: a cut file would keep a live open retrying
     try:
         # A plain open checks the file against its recorded end, so truncation shows here.
         return h5py.File(path, "r")
@@ -934,7 +986,7 @@ def _open(path: Path) -> h5py.File:
         if "consistency flags" not in str(error):
             raise
     # A run still being written, or whose writer was killed: only SWMR reads open those.
-    return h5py.File(path, "r", swmr=True)
+    return open_live(path)
 
 
 def _open_cut_short(path: Path, truncated: OSError) -> h5py.File:
@@ -944,7 +996,7 @@ def _open_cut_short(path: Path, truncated: OSError) -> h5py.File:
     disk. Its rows are counted by their steps, written only once their values were on disk, so
     what it holds is true. A file that was closed and then lost its end is damaged.
     """
-    file = h5py.File(path, "r", swmr=True)
+    file = open_live(path)
     status = file.get(names.STATUS)
     if status is None or _decoded_text(status[names.STATUS_STATE][()]) != names.RUNNING:
         file.close()
@@ -952,9 +1004,11 @@ def _open_cut_short(path: Path, truncated: OSError) -> h5py.File:
     return file
 
 
-def _writer_alive(host: str, pid: int) -> bool:
+def _writer_alive(path: Path, host: str, pid: int) -> bool:
     if host != socket.gethostname():
         return True  # another machine's processes cannot be seen from here: trust the file
+    if not 0 < pid < _PID_LIMIT:  # 0 and -1 would ask about process groups, not a process
+        raise RunFileError(f"{path}: status/pid is {pid}, not a process id")
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
@@ -964,20 +1018,57 @@ def _writer_alive(host: str, pid: int) -> bool:
     return True
 
 
+#: Process ids are C ints (pid_t) on every system dynamics runs on.
+_PID_LIMIT = 2**31
+
+
+def _filled_vector(file: h5py.File, name: str) -> np.ndarray | None:
+    """The vector's values, or None when it was never written: never allocated (read as its
+    first entry alone, for the check of θT against its step) or NaN throughout."""
+    dataset = file[VECTORS][name]
+    if not allocated(dataset):
+        _unwritten(file, name, dataset[:1] if dataset.ndim else dataset[()])
+        return None
+    value = dataset[...]
+    return None if _unwritten(file, name, value) else value
+
+
+def _event_fields(file: h5py.File, path: Path) -> tuple[np.ndarray, list[np.ndarray]] | None:
+    if names.EVENTS not in file:
+        return None
+    group = file[names.EVENTS]
+    steps = _checked(group, STEP, path, "iu", ndim=1)[:]
+    fields = [
+        _checked(group, name, path, "S", ndim=1)[:]
+        for name in (names.EVENT_PROBE, names.EVENT_KIND, names.EVENT_MESSAGE)
+    ]
+    return steps, fields
+
+
+def _status_fields(file: h5py.File, path: Path) -> dict[str, Any] | None:
+    if names.STATUS not in file:
+        return None
+    return {
+        name: _decoded_text(_checked(file[names.STATUS], name, path, kinds, 0)[()])
+        for name, kinds in _STATUS_KINDS.items()
+    }
+
+
 def _decoded_text(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode(errors="replace")
     return value.item() if hasattr(value, "item") else value
 
 
-def _values(dataset: h5py.Dataset) -> np.ndarray:
-    # Half-precision series are read as float32, so no analysis computes in half precision.
+def _values(dataset: h5py.Dataset, rows: int) -> np.ndarray:
+    """The first ``rows`` rows; half-precision series as float32, so no analysis computes in
+    half precision."""
     if dataset.attrs.get(names.ATTR_ENCODING) == BFLOAT16:
         # bfloat16 is the upper half of a float32: shifting the bits back up is exact.
-        return (dataset[:].astype(np.uint32) << 16).view(np.float32)
+        return (dataset[:rows].astype(np.uint32) << 16).view(np.float32)
     if dataset.dtype == np.float16:
-        return dataset[:].astype(np.float32)
-    return dataset[:]
+        return dataset[:rows].astype(np.float32)
+    return dataset[:rows]
 
 
 def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
@@ -986,7 +1077,7 @@ def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
     try:
         columns = None if columns is None else decode_attr(columns)
         view = None if view is None else decode_attr(view)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise RunFileError(f"{path}: {where} has an attribute that is not valid JSON") from None
     if columns is not None:
         if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
@@ -1008,9 +1099,10 @@ def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
 def _read_rows(group: h5py.Group) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``(step, {series: values})`` of the group's complete rows."""
     step = group[STEP][:]
-    values = {name: _values(d) for name, d in group.items() if name != STEP}
-    n = _complete_rows(step, [len(v) for v in values.values()])
-    return step[:n], {k: v[:n] for k, v in values.items()}
+    datasets = {series_key(name, d): d for name, d in group.items() if name != STEP}
+    # Only the complete rows are read: rows declared past them were never written.
+    n = _complete_rows(step, [d.shape[0] for d in datasets.values()])
+    return step[:n], {name: _values(d, n) for name, d in datasets.items()}
 
 
 def _step_span(group: h5py.Group) -> tuple[int, int | None, int | None]:

@@ -48,7 +48,7 @@ import numpy as np
 
 from dynamics.store import names
 from dynamics.store.lock import LOCK_EXIT_PRIORITY, RunLock
-from dynamics.store.reader import open_run
+from dynamics.store.reader import open_run, series_key
 from dynamics.store.schema import (
     BFLOAT16,
     LIBVER,
@@ -174,8 +174,9 @@ class RunWriter:
         # (step dataset, first row, steps).
         self._unindexed: list[tuple[h5py.Dataset, int, list[int]]] = []
         # Dataset handles once: looking them up through h5py per block costs more than writing.
+        # Keyed by the names probes declared (rows are), not by the datasets' safe names.
         self._groups = {
-            name: (group[STEP], {n: d for n, d in group.items() if n != STEP})
+            name: (group[STEP], {series_key(n, d): d for n, d in group.items() if n != STEP})
             for name, group in file.get(SERIES, {}).items()
         }
         # Rows written per group, steps included or not: the next row's index.
@@ -243,9 +244,6 @@ class RunWriter:
         """
         path = Path(path)
         cls.check_path(path, overwrite)
-        for group, specs in series.items():
-            if STEP in specs:  # every group's step index has that name
-                raise ValueError(f"series group {group!r} declares a series named {STEP!r}")
         lock = lock or RunLock.acquire(path)
         staging = path.with_name(path.name + _CREATING)
         try:
@@ -805,13 +803,14 @@ def _create_group(group: h5py.Group, specs: Mapping[str, Any]) -> None:
         row_bytes = np.dtype(_stored(spec.dtype)).itemsize * max(1, int(np.prod(spec.shape)))
         chunk_rows = max(1, min(1024, _CHUNK_BYTES // row_bytes))
         dataset = group.create_dataset(
-            name,
+            names.series_name(name),
             shape=(0, *spec.shape),
             maxshape=(None, *spec.shape),
             dtype=_stored(spec.dtype),
             chunks=(chunk_rows, *spec.shape),
             fillvalue=_unfilled(spec.dtype),
         )
+        dataset.attrs[names.ATTR_NAME] = name
         if spec.dtype == BFLOAT16:
             dataset.attrs[names.ATTR_ENCODING] = BFLOAT16
         if spec.columns is not None:
