@@ -16,6 +16,7 @@ import html
 import json
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import plotly.graph_objects as go
@@ -74,6 +75,9 @@ from dynamics.analysis.run_views import (
 from dynamics.errors import DynamicsError
 from dynamics.store import Metric, Run, names, open_run, run_files
 
+if TYPE_CHECKING:
+    from dynamics.rebuild import RunInitArgs
+
 __all__ = ["write_comparison"]
 
 
@@ -86,7 +90,7 @@ def write_comparison(
     static_format: str = "png",
     barrier_points: int = POINTS,
     model: str | None = None,
-    init_args: dict | None = None,
+    init_args: dict | RunInitArgs | None = None,
     trust_recorded_model: bool = False,
     barrier_batch: HeldOutBatch | None = None,
 ) -> Written:
@@ -105,7 +109,8 @@ def write_comparison(
             gets a one-line remark instead.
         model: build the runs' models with this class or factory instead of the recorded one
             (see :func:`~dynamics.rebuild.rebuild_module`).
-        init_args: init args completing or overriding the recorded ones.
+        init_args: init args of the loss barriers' rebuilt models (see
+            :func:`~dynamics.analysis.loss_barrier.loss_barriers`).
         trust_recorded_model: import a recorded class from outside the installed packages.
         barrier_batch: evaluate the loss barriers on this batch (see
             :func:`~dynamics.analysis.loss_barrier.load_batch`) instead of the runs' stored

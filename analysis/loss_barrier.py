@@ -51,6 +51,7 @@ from dynamics.store import Run, names
 
 if TYPE_CHECKING:
     from dynamics.landscape import LossSurface
+    from dynamics.rebuild import RunInitArgs
 
 #: Points evaluated along each line, the ends included (α = 0, 0.05, ..., 1).
 POINTS = 21
@@ -129,7 +130,9 @@ class Barriers:
     remarks: list[str]
 
 
-def load_batch(path: str | os.PathLike, runs: Sequence[Run] = ()) -> HeldOutBatch:
+def load_batch(
+    path: str | os.PathLike, runs: Sequence[Run] = (), what: str = "barrier batch"
+) -> HeldOutBatch:
     """A batch saved with ``torch.save``: a tensor, or dicts, lists and tuples of tensors (and
     numbers, strings, None), loaded to the CPU with ``weights_only=True``, so that a file
     holding any other object is refused without running its code.
@@ -146,7 +149,7 @@ def load_batch(path: str | os.PathLike, runs: Sequence[Run] = ()) -> HeldOutBatc
     import torch
 
     path = Path(path)
-    where = f"barrier batch {path}"
+    where = f"{what} {path}"
     if not path.is_file():
         raise DynamicsError(f"{where}: no such file")
     declared, bound = _declared_bytes(path), held_out_bound(runs)
@@ -225,7 +228,7 @@ def loss_barriers(
     points: int = POINTS,
     *,
     model: str | None = None,
-    init_args: dict | None = None,
+    init_args: dict | RunInitArgs | None = None,
     trust_recorded_model: bool = False,
     held_out: HeldOutBatch | None = None,
 ) -> Barriers:
@@ -236,7 +239,9 @@ def loss_barriers(
         labels: their names on the page.
         points: points per line, the ends included (at least 2).
         model: build each run's model with this class or factory instead of the recorded one.
-        init_args: init args completing or overriding the recorded ones.
+        init_args: init args overriding the recorded ones for every run (a mapping), or each
+            run's own, which also complete the ones it did not record
+            (:class:`~dynamics.rebuild.RunInitArgs`).
         trust_recorded_model: import a recorded class from outside the installed packages.
         held_out: evaluate every line on this batch instead of the runs' probe batches.
 
@@ -244,8 +249,9 @@ def loss_barriers(
         The lines evaluated, and a one-line remark for each run or pair that could not be.
 
     Raises:
-        DynamicsError: ``points`` below 2, or a rebuilt model cannot take ``held_out``
-            (:class:`~dynamics.analysis.plane_run.BatchRefused`).
+        DynamicsError: ``points`` below 2, a rebuilt model cannot take ``held_out``
+            (:class:`~dynamics.analysis.plane_run.BatchRefused`), or a run's init args were
+            neither recorded nor given (:class:`~dynamics.rebuild.MissingInitArgs`).
     """
     if points < 2:
         raise DynamicsError(f"a loss-barrier line needs at least 2 points, got {points}")
@@ -267,7 +273,9 @@ def loss_barriers(
         return Barriers(lines, remarks)
     # Imported only now: a comparison of runs without lines to draw never loads torch.
     from dynamics.analysis.plane_run import BatchRefused, rebuilt_surface
-    from dynamics.rebuild import probe_batch
+    from dynamics.rebuild import MissingInitArgs, probe_batch, run_init_args
+
+    init_args = run_init_args(init_args, [run.path for run in runs])
 
     def surface_of(run: Run, label: str, buffers_of: Sequence[Run] = ()) -> tuple[LossSurface, str]:
         """The run's rebuilt loss surface on its batch, and what the batch is."""
@@ -292,6 +300,8 @@ def loss_barriers(
         try:
             theta0, theta_final = _endpoints(run)
             surface, batch_name = surface_of(run, label)
+        except MissingInitArgs as error:  # the user's input to complete: an error
+            raise MissingInitArgs(f"{error} (or --barrier-points 0: no loss barriers)") from None
         except DynamicsError as error:
             if held_out is not None and isinstance(error, BatchRefused):
                 raise  # the user's batch: an error, not a remark

@@ -35,7 +35,13 @@ from dynamics.errors import DynamicsError, one_line
 from dynamics.landscape import LossSurface
 from dynamics.loss_rule import LossUnavailable, loss_source
 from dynamics.nearest_buffers import NearestBuffers
-from dynamics.rebuild import probe_batch, rebuild_module
+from dynamics.rebuild import (
+    MissingInitArgs,
+    RunInitArgs,
+    probe_batch,
+    rebuild_module,
+    run_init_args,
+)
 from dynamics.store import Run, names, open_run
 
 
@@ -95,7 +101,7 @@ def write_plane(
     processes: int | None = None,
     progress: bool = False,
     model: str | None = None,
-    init_args: dict | None = None,
+    init_args: dict | RunInitArgs | None = None,
     trust_recorded_model: bool = False,
 ) -> PlaneWritten:
     """Both runs on a plane and each out of it, as HTML and HDF5.
@@ -120,7 +126,9 @@ def write_plane(
         progress: one progress bar, with an estimate of the time left, over every evaluation.
         model: build each run's model with this class or factory instead of the recorded
             class (see :func:`~dynamics.rebuild.rebuild_module`).
-        init_args: init args completing or overriding the recorded ones.
+        init_args: init args overriding the recorded ones for both runs (a mapping), or each
+            run's own, which also complete the ones it did not record
+            (:class:`~dynamics.rebuild.RunInitArgs`).
         trust_recorded_model: import a recorded class from outside the installed packages
             (see :func:`~dynamics.rebuild.rebuild_module`).
 
@@ -141,6 +149,7 @@ def write_plane(
     results = check_output(grid_path(html), overwrite, inputs, kind=PLANE_GRID_SCHEMA)
     with claimed([html, results]):  # until written: a second plane to them is refused
         runs = [open_run(path) for path in inputs]
+        init_args = run_init_args(init_args, inputs)
         # every input check before models are rebuilt
         chosen = choose_plane(*runs, plane, grid_side)
         stored = {r.name: s for r in runs if (s := stored_views(r, chosen.plane)) is not None}
@@ -154,6 +163,8 @@ def write_plane(
                 continue
             try:
                 surfaces[run.name] = rebuilt_surface(run, model, init_args, trust_recorded_model)
+            except MissingInitArgs:
+                raise  # the user's input to complete, even where the other run stored its views
             except DynamicsError as error:
                 if not stored:
                     raise DynamicsError(
@@ -219,7 +230,7 @@ def _stored_elsewhere(runs: list[Run], plane: str, grid_side: int) -> str:
 def rebuilt_surface(
     run: Run,
     model: str | None = None,
-    init_args: dict | None = None,
+    init_args: dict | RunInitArgs | None = None,
     trust: bool = False,
     *,
     buffers_of: Sequence[Run] = (),
@@ -233,7 +244,8 @@ def rebuilt_surface(
     Args:
         run: the run whose model and probe batch are used.
         model: build this class or factory instead (see :func:`~dynamics.rebuild.rebuild_module`).
-        init_args: init args completing or overriding the recorded ones.
+        init_args: init args completing or overriding the recorded ones (see
+            :func:`~dynamics.rebuild.rebuild_module`).
         trust: import a recorded class from outside the installed packages.
         buffers_of: the runs whose stored states supply buffers; default ``run``'s.
         batch: the batch to evaluate on instead of the stored probe batch (on the CPU).

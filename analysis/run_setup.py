@@ -61,6 +61,7 @@ def setup_rows(run: Run) -> list[tuple[str, str]]:
             if schedulers is not None
             else NOT_RECORDED_TEXT,
         ),
+        ("torch.compile", _compiled_text(attrs.get(names.ATTR_COMPILED))),
         ("precision", str(attrs.get(names.ATTR_PRECISION) or NOT_RECORDED_TEXT)),
         ("data", data_text(data) if data else NOT_RECORDED_TEXT),
         (
@@ -74,6 +75,15 @@ def setup_rows(run: Run) -> list[tuple[str, str]]:
             else NOT_RECORDED_TEXT,
         ),
     ]
+
+
+def _compiled_text(compiled: Any) -> str:
+    """Which parts of the module ``torch.compile`` compiled (``""``: the whole module)."""
+    if compiled is None:
+        return NOT_RECORDED_TEXT
+    if not compiled:
+        return "not compiled"
+    return ", ".join("the whole module" if n == "" else n for n in compiled) + " compiled"
 
 
 def data_text(description: Mapping[str, Any]) -> str:

@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 from dynamics.bias.audit import DEFAULT_DRAWS, audit_batch
 from dynamics.bias_audit_result import SETTINGS_KEY
-from dynamics.callbacks.probe import Probe
-from dynamics.errors import DynamicsError
+from dynamics.callbacks.probe import Probe, ProbeUnavailable
+from dynamics.callbacks.probe_loss import uncompiled
+from dynamics.errors import DynamicsError, one_line
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -24,7 +25,9 @@ class BiasAudit(Probe):
 
     It records no series: the audit is stored with the probe's settings, and ``dynamics
     report`` shows it as a section. Side-effect free: every pass restores flags, buffers and
-    the random state, and the origin check runs on a copy with its own generator.
+    the random state, and the origin check runs on a copy with its own generator. A compiled
+    module is audited uncompiled (its parameters are the same); an audit that fails all the
+    same steps aside with the error's first line.
 
     Args:
         draws: random weight draws of the origin check.
@@ -43,7 +46,15 @@ class BiasAudit(Probe):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         source = "the fit's first training batch"
-        result = audit_batch(pl_module, batch, draws=self.draws, seed=self.seed, source=source)
+        try:
+            with uncompiled():  # dynamo cannot trace the audit's hooks and copies
+                result = audit_batch(
+                    pl_module, batch, draws=self.draws, seed=self.seed, source=source
+                )
+        except DynamicsError:
+            raise
+        except Exception as error:  # a failure deep in user or compiler code: one line
+            raise ProbeUnavailable(f"BiasAudit: {one_line(error)}") from None
         self._audit = result.to_dict()
 
     def is_due(self, step: int) -> bool:

@@ -1,5 +1,6 @@
-"""What a fit is, as JSON the run file keeps: the module's submodules, the optimizers and
-schedulers with their hyperparameters, and the training data when Lightning can describe it.
+"""What a fit is, as JSON the run file keeps: the module's submodules (and which of them
+``torch.compile`` compiled), the optimizers and schedulers with their hyperparameters, and the
+training data when Lightning can describe it.
 
 The recorder stores these at the first training batch, so that two runs of any project (not
 only runs whose ``config=`` says what they are) can be compared offline for what they share.
@@ -19,11 +20,13 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
+from dynamics.params import compiled_modules, named_submodules
 from dynamics.rebuild import class_path
 from dynamics.store import names
 
 __all__ = [
     "class_path",
+    "compiled_modules",
     "data_description",
     "fit_attributes",
     "optimizer_settings",
@@ -39,6 +42,7 @@ def fit_attributes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[s
     left out with a warning, so that it reads "not recorded" and the fit goes on."""
     describe: dict[str, Callable[[], Any]] = {
         names.ATTR_SUBMODULES: lambda: submodules(pl_module),
+        names.ATTR_COMPILED: lambda: compiled_modules(pl_module),
         names.ATTR_OPTIMIZERS: lambda: optimizer_settings(trainer),
         names.ATTR_SCHEDULERS: lambda: scheduler_settings(trainer),
         names.ATTR_PRECISION: lambda: str(trainer.precision),
@@ -78,11 +82,11 @@ def plain(value: Any) -> Any:
 
 def submodules(module: nn.Module) -> dict[str, list[str]]:
     """``{name: [class path, extra_repr()]}`` of every submodule: what the layout cannot show
-    (an activation's class, a convolution's stride, a dropout's rate)."""
+    (an activation's class, a convolution's stride, a dropout's rate). ``torch.compile``'s
+    wrappers are left out, as in the layout: compiled or not, one model has one description
+    (whether it was compiled is :func:`compiled_modules`'s)."""
     return {
-        name: [class_path(child), child.extra_repr()]
-        for name, child in module.named_modules()
-        if name
+        name: [class_path(child), child.extra_repr()] for name, child in named_submodules(module)
     }
 
 

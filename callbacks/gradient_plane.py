@@ -18,7 +18,14 @@ from dynamics.initial_gradient import initial_gradient
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.landscape import LossSurface, Trajectory, evaluate_grid, trajectory
 from dynamics.params import ParameterLayout, flatten, parameter_vector, storable, vector_hash
-from dynamics.plane import Plane, covering_grid, out_of_plane_view, plane_from_gradients, project
+from dynamics.plane import (
+    CollinearGradients,
+    Plane,
+    covering_grid,
+    out_of_plane_view,
+    plane_from_gradients,
+    project,
+)
 from dynamics.store import RunFileError, names, open_run
 
 
@@ -44,7 +51,9 @@ class GradientPlane(Probe):
     θt − θ0 on its orthonormal basis (u, v) and the norm r of the residual orthogonal to it are
     recorded (a² + b² + r² = ‖θt − θ0‖²). The plane is either given (``basis``) or built from a
     partner run file that shares θ0: u = g_partner/‖g_partner‖, v = this run's g0
-    Gram–Schmidt-ed against u.
+    Gram–Schmidt-ed against u. A partner whose g0 is collinear with ours (runs that differ only
+    in the learning rate or the optimizer) spans no plane: the coordinates (and ``at_end``'s
+    views) step aside with a warning event, and g0 and the probe batch are stored as ever.
 
     With ``at_end=True`` (and a plane known during the run) the probe also evaluates, in the
     training process at the end of fit, what ``dynamics plane`` would otherwise rebuild the model
@@ -126,7 +135,18 @@ class GradientPlane(Probe):
             self._theta0 = parameter_vector(pl_module, self.layout)
             self._g0 = initial_gradient(pl_module, self._loss.batch, self.layout, self.mode)
         if self.partner is not None and self.plane is None:
-            self.plane = self._plane_with_partner()
+            try:
+                self.plane = self._plane_with_partner()
+            except CollinearGradients as error:
+                # Runs that differ only in the learning rate or the optimizer share g0: no plane,
+                # but g0 and the probe batch are this run's as ever, for the offline views.
+                self.note(
+                    trainer.global_step,
+                    f"no coordinates on the plane of this run's and the partner's initial "
+                    f"gradients, which span none ({error}){self._at_end_skipped()}; g0 and the "
+                    "probe batch are stored, so dynamics plane --plane auto draws the plane of "
+                    "g0 and the endpoints' direction",
+                )
         if self.plane is not None:
             self._u, self._v = (
                 torch.from_numpy(np.array(w)).to(self._theta0) for w in (self.plane.u, self.plane.v)
@@ -157,7 +177,7 @@ class GradientPlane(Probe):
                 names.PLANE_U: SeriesSpec(size, "float64"),
                 names.PLANE_V: SeriesSpec(size, "float64"),
             }
-        if self.at_end:
+        if self.at_end and self.plane is not None:
             rows = self.checkpoints + 1  # and θT
             columns = len(names.PLANE_END_TRAJECTORY_COLUMNS)
             vectors[names.PLANE_END_STEPS] = SeriesSpec((rows,), "float64")
@@ -304,6 +324,10 @@ class GradientPlane(Probe):
             (f"{names.PROBE_BATCH_PREFIX}{i}", storable(t.detach()).cpu().numpy())
             for i, t in enumerate(leaves)
         ]
+
+    def _at_end_skipped(self) -> str:
+        """What a degenerate plane costs ``at_end``, as part of a sentence."""
+        return " and no end-of-fit views on it (at_end)" if self.at_end else ""
 
     def _padded(self, values: np.ndarray) -> np.ndarray:
         """``values`` (one row per checkpoint) NaN-padded to the declared checkpoint rows."""

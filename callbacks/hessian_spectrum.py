@@ -12,7 +12,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics import world
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, expected_steps
-from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, upcast
+from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
 from dynamics.curvature import (
     Eigenpairs,
     HessianOperator,
@@ -328,6 +328,7 @@ class HessianSpectrum(Probe):
         with (
             side_effect_free(pl_module, self.mode),
             torch.autocast(pl_module.device.type, enabled=False),
+            uncompiled(),  # a compiled graph supports no double backward
         ):
             operator = HessianOperator(
                 lambda: loss_at(pl_module, tensors, batch),

@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
-from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, upcast
+from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
 from dynamics.isolation import Mode, side_effect_free
 from dynamics.loss_change import LossChange, split_loss_change
 from dynamics.loss_rule import loss_at
@@ -51,7 +51,11 @@ class LossChangeSplit(Probe):
     step's own batch: rows of different steps measure the same function, so a term's sign and
     size over time reflect the parameters, not the batch drawn. Every evaluation runs in float64
     (parameters, buffers and the batch's floating tensors upcast, autocast off), since a step
-    changes the loss by a small fraction of it, with the buffers (BatchNorm running statistics)
+    changes the loss by a small fraction of it. A model that computes its loss in lower precision
+    all the same (a Hugging Face causal LM casts its logits to float32 under ``.double()``)
+    resolves ΔL only to that precision: the tolerance is then taken from its eps, and a warning
+    event says so, rather than every row missing a float64 tolerance it can never reach. The
+    evaluations run with the buffers (BatchNorm running statistics)
     as they were before the step: ΔL is the change due to the parameters alone. With the
     default ``mode="eval"``, the mode of the other curvature probes, dropout is off and
     BatchNorm uses those running statistics; with ``mode="train"`` BatchNorm normalizes with
@@ -74,7 +78,7 @@ class LossChangeSplit(Probe):
     - ``delta``: the measured ΔL; ``loss``: L(θ) before the step;
     - ``residual``: Σ terms − ΔL; ``relative_residual``: its size over ``|ΔL|``;
     - ``converged``: 1 when ``|residual|`` met the tolerance (``rtol·|ΔL|``, never tighter than
-      a thousand float64 roundings of the loss);
+      a thousand roundings of the loss in the precision it comes back in);
     - ``gradient_evaluations``: the row's cost in gradients of the loss;
     - ``optimizer_steps``: optimizer steps Δθ spans (1 but for the case above).
 
@@ -202,10 +206,13 @@ class LossChangeSplit(Probe):
                 "Δθ spans several optimizer steps taken in one training batch (manual "
                 "optimization): the row splits the change over the whole batch",
             )
+        if split.loss_dtype != torch.float64:
+            self.note(step, _coarse_loss_note(split.loss_dtype))
         if not split.converged:
             self.note(
                 step,
-                f"the terms missed ΔL by more than rtol={self.rtol:g} within "
+                f"the terms missed ΔL by more than the tolerance (rtol={self.rtol:g}, never "
+                f"below a thousand roundings of the loss in {_bits(split.loss_dtype)}) within "
                 f"{self.max_gradient_evaluations} gradient evaluations (kinked activations such "
                 "as ReLU make the integrand jump); such rows keep converged = 0 and their residual",
             )
@@ -249,7 +256,11 @@ class LossChangeSplit(Probe):
             with torch.random.fork_rng(devices=rng_devices):
                 return loss_at(pl_module, {**fixed, **dict(zip(names_, tensors))}, batch)
 
-        with side_effect_free(pl_module, self.mode), torch.autocast(device.type, enabled=False):
+        with (
+            side_effect_free(pl_module, self.mode),
+            torch.autocast(device.type, enabled=False),
+            uncompiled(),  # float64 evaluations would recompile the graph, or fail in it
+        ):
             return split_loss_change(
                 loss,
                 [t.to(dtype) for t in start],
@@ -274,3 +285,17 @@ class LossChangeSplit(Probe):
         if "sum_terms" in state:
             self._sum_terms = state["sum_terms"].numpy().copy()
             self._sum_delta = float(state["sum_delta"])
+
+
+def _bits(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _coarse_loss_note(dtype: torch.dtype) -> str:
+    """Why the rows resolve ΔL only to the loss's own precision."""
+    return (
+        f"the module's loss comes back in {_bits(dtype)} though every evaluation runs in float64 "
+        "(the model casts to it, as a Hugging Face causal LM casts its logits): ΔL and the "
+        f"terms are resolved to {_bits(dtype)}'s precision, and the tolerance is taken from its "
+        "eps, not float64's"
+    )

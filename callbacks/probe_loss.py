@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -114,3 +115,16 @@ def frozen_parameters(
     these fixed, and left in their own dtype they would meet ``dtype`` in one op and fail."""
     varied = set(varied)
     return {n: upcast(p.detach(), dtype) for n, p in module.named_parameters() if n not in varied}
+
+
+def uncompiled() -> contextlib.AbstractContextManager[None]:
+    """Run what ``torch.compile`` compiled as the original modules and functions, eagerly.
+
+    For extra passes a compiled graph cannot take: AOT autograd supports no double backward
+    (HVPs), and dynamo cannot trace the hooks and module copies an audit adds. The compiled
+    module stays the one training steps; only the pass inside runs uncompiled, on the same
+    parameters (``torch.compiler.set_stance("force_eager")``; before torch 2.6, which lacks it,
+    nothing changes and such a probe steps aside with the error).
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance else contextlib.nullcontext()

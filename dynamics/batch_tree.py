@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import keyword
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,27 @@ _VALUES = (type(None), bool, int, float, str)
 MAX_FIELDS = 256
 MAX_NAME_CHARS = 128
 MAX_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class ForwardArguments:
+    """The positional and keyword arguments of one forward call, for an example input that is
+    not one positional argument (a Hugging Face model takes ``input_ids=...``)."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)``: a batch tree :func:`flatten_batch` takes."""
+        return self.args, dict(self.kwargs)
+
+
+def call_forward(module: Any, example_input: Any) -> Any:
+    """``module(example_input)``, or with the arguments of a :class:`ForwardArguments`."""
+    if isinstance(example_input, ForwardArguments):
+        return module(*example_input.args, **example_input.kwargs)
+    return module(example_input)
 
 
 def flatten_batch(batch: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:

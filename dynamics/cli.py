@@ -22,6 +22,7 @@ from dynamics.errors import DynamicsError
 if TYPE_CHECKING:
     from dynamics.analysis.report import Written
     from dynamics.bias_audit_result import AuditResult
+    from dynamics.rebuild import RunInitArgs
 
 USAGE_ERROR = 2
 #: A shell's status of a command stopped by Ctrl-C (128 + SIGINT).
@@ -306,6 +307,20 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --input-shape: token ids drawn uniformly from 0..V-1 instead (language models)",
     )
     audit.add_argument(
+        "--input-json",
+        metavar="JSON",
+        help='example input as JSON: an object of keyword arguments, e.g. \'{"input_ids": '
+        "[[1, 2, 3]]}' (Hugging Face models), or an array, the one argument; integers stay "
+        "integers, other numbers take the model's dtype",
+    )
+    audit.add_argument(
+        "--input-file",
+        type=Path,
+        metavar="FILE",
+        help="example input saved with torch.save (loaded with weights_only=True): a dict is "
+        "keyword arguments, a list or tuple positional arguments, a tensor the one argument",
+    )
+    audit.add_argument(
         "--draws", type=int, help="random weight draws of the origin check (default 5)"
     )
     audit.add_argument("--json", action="store_true", help="machine-readable output")
@@ -346,7 +361,13 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "path/to/file.py:name) instead of the recorded class",
     )
     parser.add_argument(
-        "--init-args", metavar="JSON", help="init args completing or overriding the recorded ones"
+        "--init-args",
+        action="append",
+        default=[],
+        metavar="[RUN.h5=]JSON",
+        help="a run's init args (RUN.h5=JSON, once per run), completing or overriding its "
+        "recorded ones; JSON alone: every run's, overriding only (args a run did not record "
+        "may differ between runs, so each run's are given by name)",
     )
     parser.add_argument(
         "--trust-recorded-model",
@@ -585,7 +606,7 @@ def _plane(args: argparse.Namespace) -> int:
             f"--processes must be at least 1 and at most this machine's {cores} cores, "
             f"got {args.processes}"
         )
-    init_args = _json_object(args.init_args, "--init-args")
+    init_args = _run_init_args(args.init_args)
     written = write_plane(
         args.run_a,
         args.run_b,
@@ -607,6 +628,28 @@ def _plane(args: argparse.Namespace) -> int:
         print(f"{note}: {value:.4f}")
     print(f"wrote {written.html} (grids and trajectories in {written.results})")
     return 0
+
+
+def _run_init_args(texts: Sequence[str]) -> RunInitArgs | None:
+    """``--init-args`` of plane and compare: ``RUN.h5=JSON`` (one run's) or ``JSON`` (every
+    run's), each once; None when none is given."""
+    if not texts:
+        return None
+    from dynamics.rebuild import RunInitArgs
+
+    shared, by_run = None, {}
+    for text in texts:
+        run, equals, value = text.partition("=")
+        if text.lstrip().startswith("{") or not equals:
+            run, value = "", text
+        if run in by_run or (not run and shared is not None):
+            raise DynamicsError(f"--init-args {run + '=' if run else 'JSON'} is given twice")
+        args = _json_object(value, f"--init-args {run}=" if run else "--init-args")
+        if run:
+            by_run[run] = args
+        else:
+            shared = args
+    return RunInitArgs(shared or {}, by_run)
 
 
 def _json_object(text: str | None, option: str) -> dict | None:
@@ -653,7 +696,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise DynamicsError(
             f"--barrier-points must be 0 or from 2 to {_MAX_BARRIER_POINTS}, got {barrier_points}"
         )
-    init_args = _json_object(args.init_args, "--init-args")
+    init_args = _run_init_args(args.init_args)
     if args.model is not None and barrier_points:
         from dynamics.rebuild import model_target
 
@@ -711,7 +754,7 @@ def _compare_groups(args: argparse.Namespace) -> int:
             ("--barrier-points", args.barrier_points is not None),
             ("--barrier-batch", args.barrier_batch is not None),
             ("--model", args.model is not None),
-            ("--init-args", args.init_args is not None),
+            ("--init-args", bool(args.init_args)),
             ("--trust-recorded-model", args.trust_recorded_model),
         )
         if given
@@ -817,12 +860,23 @@ def _audit(args: argparse.Namespace) -> int:
     import torch
 
     from dynamics.analysis.bias_audit import recorded_audit
-    from dynamics.bias.audit import audit, audit_batch
+    from dynamics.bias.audit import audit, audit_batch, token_embedding
     from dynamics.rebuild import build_module, probe_batch, rebuild_module
     from dynamics.store import names, open_run
 
     shape = _shape(args.input_shape)
     init_args = _json_object(args.init_args, "--init-args")
+    inputs = [
+        option
+        for option, value in (
+            ("--input-shape", args.input_shape),
+            ("--input-json", args.input_json),
+            ("--input-file", args.input_file),
+        )
+        if value is not None
+    ]
+    if len(inputs) > 1:
+        raise DynamicsError(f"{' and '.join(inputs)}: give one example input")
     if args.vocab is not None and (args.vocab < 1 or shape is None):
         raise DynamicsError(
             f"--vocab must be at least 1 and go with --input-shape, got {args.vocab}"
@@ -834,7 +888,7 @@ def _audit(args: argparse.Namespace) -> int:
     if args.target.endswith(".h5"):
         run = open_run(args.target)
         recorded = recorded_audit(run)
-        if recorded is not None and not (shape or args.model or init_args or draws):
+        if recorded is not None and not (inputs or args.model or init_args or draws):
             # The fit's own audit (BiasAudit, on its first batch): nothing to rebuild or guess.
             module = (run.attrs.get(names.ATTR_MODULE) or {}).get("class_path", "?")
             _print_audit(
@@ -842,7 +896,7 @@ def _audit(args: argparse.Namespace) -> int:
             )
             return 0
         model = rebuild_module(run, args.model, init_args, args.trust_recorded_model)
-        if shape is None:
+        if not inputs:
             try:  # the batch GradientPlane stored
                 batch = probe_batch(run)
             except DynamicsError as error:
@@ -853,9 +907,24 @@ def _audit(args: argparse.Namespace) -> int:
         raise DynamicsError("--model and --trust-recorded-model go with a run file")
     else:
         model = build_module(_class_spec(args.target), init_args)
-    if shape is not None:
+    if args.input_json is not None:
+        example, note = _json_input(args.input_json, model)
+    elif args.input_file is not None:
+        from dynamics.analysis.loss_barrier import load_batch
+
+        loaded = load_batch(args.input_file, what="--input-file")
+        example, note = _arguments(loaded.batch), f"{args.input_file} (--input-file)"
+    elif shape is not None:
         generator = torch.Generator().manual_seed(0)
         dims = ",".join(map(str, shape))
+        embedding = token_embedding(model) if args.vocab is None else None
+        if embedding is not None:
+            name, table = embedding
+            raise DynamicsError(
+                f"{type(model).__name__} reads token ids (its first module, {name}, is an "
+                f"embedding of {table.num_embeddings} tokens), not N(0, 1) values: pass "
+                f"--vocab {table.num_embeddings} with --input-shape, or --input-json"
+            )
         if args.vocab is not None:
             example = torch.randint(0, args.vocab, shape, generator=generator)
             note = f"token ids from 0..{args.vocab - 1} of shape {dims} (--vocab, seed 0)"
@@ -870,6 +939,48 @@ def _audit(args: argparse.Namespace) -> int:
         result = audit(model, example, input_note=note, **draws)
     _print_audit(args, type(model).__name__, result)
     return 0
+
+
+def _json_input(text: str, model: Any) -> tuple[Any, str]:
+    """``--input-json``: an object of keyword arguments or an array (the one argument), as
+    tensors: integers as int64 (token ids), other numbers in the model's floating dtype."""
+    import torch
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DynamicsError(f"--input-json is not JSON: {error}") from None
+    dtype = next(
+        (p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype()
+    )
+
+    def tensor(name: str, data: Any) -> torch.Tensor:
+        try:
+            found = torch.tensor(data)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise DynamicsError(
+                f"--input-json {name}: not a number or a regular array of numbers ({error})"
+            ) from None
+        return found.to(dtype) if found.is_floating_point() else found
+
+    if isinstance(value, dict) and value:
+        keywords = {key: tensor(key, data) for key, data in value.items()}
+        return _arguments(keywords), f"keyword arguments {', '.join(keywords)} (--input-json)"
+    if isinstance(value, list):
+        return tensor("array", value), "the array of --input-json"
+    raise DynamicsError(f"--input-json must be a JSON object of arguments or an array, got {text}")
+
+
+def _arguments(batch: Any) -> Any:
+    """An example input file's content as the forward's arguments: a dict as keywords, a list
+    or tuple as positional arguments, anything else as the one argument."""
+    from dynamics.batch_tree import ForwardArguments
+
+    if isinstance(batch, dict):
+        return ForwardArguments((), batch)
+    if isinstance(batch, (list, tuple)):
+        return ForwardArguments(tuple(batch))
+    return batch
 
 
 def _print_audit(args: argparse.Namespace, what: str, result: AuditResult) -> None:

@@ -10,7 +10,6 @@ of fit (``GradientPlane(at_end=True)``) use the same code.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from torch import nn
 from dynamics.isolation import Mode, checked_mode
 from dynamics.loss_rule import module_loss
 from dynamics.nearest_buffers import NearestBuffers
-from dynamics.params import ParameterLayout, parameter_vector
+from dynamics.params import ParameterLayout, module_copy, named_parameters, parameter_vector
 from dynamics.plane import Grid, Plane, in_plane_shares, project
 
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]
@@ -128,13 +127,13 @@ class LossSurface:
         buffers: NearestBuffers | None = None,
         mode: Mode = "eval",
     ) -> None:
-        self._module = copy.deepcopy(module)
+        self._module = module_copy(module)
         if checked_mode(mode) == "eval":
             self._module.eval()
         params = layout.parameters(self._module)
         outside = sorted(
             name
-            for name, p in self._module.named_parameters()
+            for name, p in named_parameters(self._module)
             if p.requires_grad and name not in set(layout.names)
         )
         if outside:

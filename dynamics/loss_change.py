@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-#: Below this many float64 roundings of the loss itself, no quadrature can resolve a residual
-#: (a step that barely changes the loss): the tolerance is never tighter than that.
+#: Below this many roundings of the loss itself (in the coarser of the parameters' and the
+#: loss's precision), no quadrature can resolve a residual (a step that barely changes the
+#: loss): the tolerance is never tighter than that.
 _ROUNDING_FLOOR = 1e3
 
 
@@ -43,6 +44,9 @@ class LossChange:
             loss-only evaluations).
         panels: quadrature panels the segment ended in.
         tolerance: the largest ``|residual|`` accepted.
+        loss_dtype: the dtype the loss came back in (a model may compute it in float32 from
+            float64 parameters: a Hugging Face causal LM casts its logits), which bounds the
+            precision of ΔL and so the tolerance.
     """
 
     loss_before: float
@@ -51,6 +55,7 @@ class LossChange:
     gradient_evaluations: int
     panels: int
     tolerance: float
+    loss_dtype: torch.dtype = torch.float64
 
     @property
     def delta(self) -> float:
@@ -121,13 +126,16 @@ def split_loss_change(
     n_groups = int(max(groups)) + 1
     x, w = np.polynomial.legendre.leggauss(nodes)
     evaluations = 0
+    loss_dtypes = set()  # of every evaluation: the coarsest bounds what ΔL resolves
 
     def point(t: float) -> list[torch.Tensor]:
         return [s + t * d for s, d in zip(start, step)]
 
     def value(t: float) -> float:
         with torch.no_grad():
-            result = float(loss(point(t)))
+            computed = loss(point(t))
+        loss_dtypes.add(computed.dtype)
+        result = float(computed)
         if not math.isfinite(result):
             raise FloatingPointError(f"the loss is {result} at t = {t:g} on the step")
         return result
@@ -148,7 +156,8 @@ def split_loss_change(
         return _Panel(a, b, loss_a, loss_b, result)
 
     loss_before, loss_after = value(0.0), value(1.0)
-    eps = torch.finfo(start[0].dtype).eps if start[0].is_floating_point() else 0.0
+    loss_dtype = _coarsest(loss_dtypes)
+    eps = torch.finfo(_coarsest({start[0].dtype, loss_dtype})).eps
     tolerance = max(
         rtol * abs(loss_after - loss_before),
         _ROUNDING_FLOOR * eps * max(abs(loss_before), abs(loss_after)),
@@ -167,4 +176,12 @@ def split_loss_change(
             panel(middle, whole.b, loss_middle, whole.loss_b),
         ]
     terms = np.sum([p.terms for p in panels], axis=0)
-    return LossChange(loss_before, loss_after, terms, evaluations, len(panels), tolerance)
+    return LossChange(
+        loss_before, loss_after, terms, evaluations, len(panels), tolerance, loss_dtype
+    )
+
+
+def _coarsest(dtypes: set[torch.dtype]) -> torch.dtype:
+    """The floating dtype of ``dtypes`` with the largest rounding (float64 when none)."""
+    floating = [d for d in dtypes if d.is_floating_point]
+    return max(floating, key=lambda d: torch.finfo(d).eps, default=torch.float64)

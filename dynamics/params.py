@@ -5,10 +5,16 @@ by a :class:`ParameterLayout`, so a vector written during training can be mapped
 parameters offline, and two runs can be checked for the same layout before they are compared.
 A module's buffers (BatchNorm running statistics, counters) are stored beside them, laid out
 by a :class:`BufferLayout`.
+
+Names are those of the module as written, without ``torch.compile``'s wrapper: a compiled
+submodule (``self.net = torch.compile(net)``) holds its module as ``_orig_mod``, which adds
+``_orig_mod.`` to every name below it but is no layer, so a compiled and an uncompiled run of one
+model have one layout (and a run file rebuilds into either).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +23,76 @@ from math import prod
 import numpy as np
 import torch
 from torch import nn
+
+#: The attribute under which ``torch.compile``'s ``OptimizedModule`` holds the compiled module.
+COMPILE_WRAPPER = "_orig_mod"
+
+
+def unwrapped_name(name: str) -> str:
+    """``name`` of a parameter, buffer or submodule without ``torch.compile``'s wrapper."""
+    return ".".join(part for part in name.split(".") if part != COMPILE_WRAPPER)
+
+
+def is_compile_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper around another (its only child)."""
+    return COMPILE_WRAPPER in module._modules
+
+
+def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module.named_parameters()`` under their :func:`unwrapped_name`."""
+    return [(unwrapped_name(n), p) for n, p in module.named_parameters()]
+
+
+def named_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module.named_modules()`` under their :func:`unwrapped_name`, ``torch.compile``'s
+    wrappers left out (the module they wrap stands under the wrapper's name)."""
+    return [
+        (unwrapped_name(name), child)
+        for name, child in module.named_modules()
+        if not is_compile_wrapper(child)
+    ]
+
+
+def named_submodules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`named_modules` but ``module`` itself."""
+    return [(name, child) for name, child in named_modules(module) if name]
+
+
+def compiled_modules(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parts ``torch.compile`` compiled: ``""`` for the module itself
+    (Lightning unwraps ``trainer.fit(torch.compile(model))`` and compiles its steps in place),
+    else each wrapped submodule's :func:`unwrapped_name`."""
+    whole = getattr(module, "_compiler_ctx", None) is not None or is_compile_wrapper(module)
+    inner = [unwrapped_name(n) for n, m in module.named_modules() if n and is_compile_wrapper(m)]
+    return [""] + inner if whole else inner
+
+
+#: The methods Lightning replaces with compiled ones on the instance when it unwraps
+#: ``trainer.fit(torch.compile(model))`` (``pytorch_lightning.utilities.compile.from_compiled``).
+_LIGHTNING_COMPILED_METHODS = (
+    "forward",
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+)
+
+
+def module_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` that computes with its own parameters.
+
+    Lightning compiles a LightningModule in place: its instance's ``forward`` and steps become
+    compiled functions bound to that instance, which a plain ``copy.deepcopy`` keeps, so the
+    copy's forward would compute with the original's parameters (another loss, silently). The
+    copy's methods are its class's again, uncompiled; compiled submodules copy correctly.
+    """
+    twin = copy.deepcopy(module)
+    for copied in twin.modules():
+        if getattr(copied, "_compiler_ctx", None) is not None:
+            for method in _LIGHTNING_COMPILED_METHODS:
+                copied.__dict__.pop(method, None)
+            copied._compiler_ctx = None
+    return twin
 
 
 @dataclass(frozen=True)
@@ -29,7 +105,7 @@ class ParameterLayout:
     @classmethod
     def of(cls, module: nn.Module) -> ParameterLayout:
         """The layout of ``module``'s trainable parameters, in ``named_parameters`` order."""
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in named_parameters(module) if p.requires_grad]
         return cls(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named))
 
     @property
@@ -50,7 +126,7 @@ class ParameterLayout:
 
     def parameters(self, module: nn.Module) -> list[nn.Parameter]:
         """``module``'s parameters in this layout's order (raises if the module differs)."""
-        found = dict(module.named_parameters())
+        found = dict(named_parameters(module))
         missing = [n for n in self.names if n not in found]
         if missing:
             raise ValueError(f"module has no parameter {missing[0]!r} of the recorded layout")
@@ -183,7 +259,8 @@ def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     for prefix, owner in module.named_modules():
         for name, buffer in owner._buffers.items():
             if buffer is not None and name not in owner._non_persistent_buffers_set:
-                buffers.setdefault(f"{prefix}.{name}" if prefix else name, buffer)
+                full = unwrapped_name(f"{prefix}.{name}" if prefix else name)
+                buffers.setdefault(full, buffer)
     return buffers
 
 
@@ -250,5 +327,5 @@ def vector_hash(vector: torch.Tensor | np.ndarray) -> str:
 def frozen_hash(module: nn.Module) -> str | None:
     """:func:`vector_hash` of ``module``'s frozen parameters (``requires_grad=False``, by name),
     which a run file does not store; None when it has none."""
-    frozen = [p for _, p in sorted(module.named_parameters()) if not p.requires_grad]
+    frozen = [p for _, p in sorted(named_parameters(module)) if not p.requires_grad]
     return vector_hash(flatten(frozen)) if frozen else None

@@ -44,8 +44,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,10 +89,74 @@ def module_record(module: nn.Module) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class RunInitArgs:
+    """The init args given for rebuilding several runs together: ``shared`` by every run, and
+    each run's own (``by_run``, keyed by its run file's path), merged over the shared ones.
+
+    An argument a run did not record (no ``save_hyperparameters``) may have had another value
+    in each run, so when several runs are rebuilt only a run's own args complete it: one set
+    for all would rebuild a run trained with other args (another label smoothing) as another
+    loss, silently. The shared args still override recorded ones, and are all a factory gets
+    besides the run's own.
+    """
+
+    shared: Mapping[str, Any] = field(default_factory=dict)
+    by_run: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Whether several runs are rebuilt (set by :meth:`for_runs`); one run's args are all its own.
+    several: bool = False
+
+    def for_runs(self, paths: Sequence[str | os.PathLike]) -> RunInitArgs:
+        """These args for rebuilding the runs ``paths``, each key checked to name one of them.
+
+        Raises:
+            DynamicsError: a key names none of the runs.
+        """
+        resolved = {Path(p).resolve(): Path(p) for p in paths}
+        by_run = {}
+        for key, args in self.by_run.items():
+            path = Path(key).resolve()
+            if path not in resolved:
+                given = ", ".join(str(p) for p in resolved.values())
+                raise DynamicsError(f"--init-args {key}=: not one of the runs given ({given})")
+            by_run[str(path)] = args
+        return RunInitArgs(self.shared, by_run, several=len(resolved) > 1)
+
+    def own(self, run: Run) -> Mapping[str, Any]:
+        """The args given for ``run`` by name."""
+        return self.by_run.get(str(run.path.resolve()), {})
+
+    def of(self, run: Run) -> dict[str, Any]:
+        """Every arg given for ``run``: the shared ones, then its own over them."""
+        return {**self.shared, **self.own(run)}
+
+    def completing(self, run: Run) -> set[str]:
+        """The args that may stand for ones ``run`` did not record."""
+        return set(self.own(run)) | (set() if self.several else set(self.shared))
+
+
+class MissingInitArgs(DynamicsError):
+    """A run's init args were neither recorded nor given: the user's input is incomplete, so
+    tools that otherwise note a run they cannot rebuild and go on refuse it."""
+
+
+def run_init_args(
+    init_args: Mapping[str, Any] | RunInitArgs | None, paths: Sequence[str | os.PathLike]
+) -> RunInitArgs:
+    """``init_args`` (a mapping: every run's) for rebuilding the runs ``paths`` together.
+
+    Raises:
+        DynamicsError: a run's own args name none of ``paths``.
+    """
+    if not isinstance(init_args, RunInitArgs):
+        init_args = RunInitArgs(dict(init_args or {}))
+    return init_args.for_runs(paths)
+
+
 def rebuild_module(
     run: Run,
     model: str | None = None,
-    init_args: Mapping[str, Any] | None = None,
+    init_args: Mapping[str, Any] | RunInitArgs | None = None,
     trust_recorded_model: bool = False,
 ) -> nn.Module:
     """The run's model at θ0, with θ0's buffers.
@@ -103,7 +167,8 @@ def rebuild_module(
             or ``"path/to/file.py:name"``, a class (given the recorded init args, completed
             or overridden by ``init_args``) or a factory (given ``init_args`` only, and
             trusted to build the model as trained).
-        init_args: init args that complete or override the recorded ones.
+        init_args: init args that complete or override the recorded ones, or
+            :class:`RunInitArgs` when several runs are rebuilt together.
         trust_recorded_model: import the recorded class even from outside the installed
             packages (the working directory's modules); it must still be a ``torch.nn.Module``.
 
@@ -121,20 +186,16 @@ def rebuild_module(
     else:
         target = _recorded_class(run, class_path, trust_recorded_model)
         _check_module_class(run, class_path, target)
-    given = dict(init_args or {})
+    if not isinstance(init_args, RunInitArgs):
+        init_args = RunInitArgs(dict(init_args or {}))
+    given = init_args.of(run)
     if inspect.isclass(target):
         args = {**(spec.get("init_args") or {}), **given}
         unrecorded = set(spec.get("unrecorded_init_args", ()))
         unrecorded |= {n for n in _init_parameters(target) if n not in args}
-        missing = sorted(unrecorded - set(given))
+        missing = sorted(unrecorded - init_args.completing(run))
         if missing:
-            example = json.dumps(dict.fromkeys(missing, "..."))
-            raise DynamicsError(
-                f"{run.path.name}: init args {', '.join(missing)} of {target.__qualname__} were "
-                "not recorded (not saved with save_hyperparameters(), or not JSON), and their "
-                f"defaults may not be the run's; pass them with --init-args '{example}', or a "
-                "factory that builds the model with --model pkg.module:function"
-            )
+            raise _missing_init_args(run, target, missing, init_args)
     else:
         args = given
     where = f"{run.path.name}: "
@@ -147,6 +208,32 @@ def rebuild_module(
     run.check_frozen_parameters(module)
     _check_submodules(run, module)
     return module
+
+
+def _missing_init_args(
+    run: Run, target: type, missing: Sequence[str], init_args: RunInitArgs
+) -> MissingInitArgs:
+    """The refusal of a class whose init args ``missing`` were not recorded nor given."""
+    example = json.dumps(dict.fromkeys(missing, "..."))
+    unrecorded = (
+        f"{run.path.name}: init args {', '.join(missing)} of {target.__qualname__} were not "
+        "recorded (not saved with save_hyperparameters(), or not JSON)"
+    )
+    if init_args.several:
+        shared = sorted(set(missing) & set(init_args.shared))
+        why = (
+            f"; one --init-args for several runs cannot say {', '.join(shared)} had the same "
+            "value in each"
+            if shared
+            else ", and may differ between the runs"
+        )
+        return MissingInitArgs(
+            f"{unrecorded}{why}: give each run its own, --init-args {run.path}='{example}'"
+        )
+    return MissingInitArgs(
+        f"{unrecorded}, and their defaults may not be the run's; pass them with --init-args "
+        f"'{example}', or a factory that builds the model with --model pkg.module:function"
+    )
 
 
 def build_module(model: str, init_args: Mapping[str, Any] | None = None) -> nn.Module:

@@ -101,7 +101,8 @@ def test_audit_of_a_language_model_on_token_ids(dynamics):
     assert data["order"].startswith("traced") and not data["origin"]["checked"]
     assert [row["module"] for row in data["layers"] if row["flagged"]] == ["head"]
     floats = dynamics(*args, "--input-shape", "2,8")
-    assert floats.returncode == 2 and "indices" in floats.stderr
+    assert floats.returncode == 2 and "reads token ids" in floats.stderr, floats.stderr
+    assert "pass --vocab 256" in floats.stderr
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,6 @@ first module reads the input), and the result says so.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,13 +29,20 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.dropout import _DropoutNd
 
 from dynamics.activations import ShiftedActivation, expected_value
-from dynamics.batch_tree import flatten_batch, named_tuple_classes, unflatten_batch
+from dynamics.batch_tree import (
+    ForwardArguments,
+    call_forward,
+    flatten_batch,
+    named_tuple_classes,
+    unflatten_batch,
+)
 from dynamics.bias.shift import ACTIVATION_MODULES, functional_activations
 from dynamics.bias_audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
 from dynamics.errors import DynamicsError, one_line
 from dynamics.isolation import side_effect_free
 from dynamics.loss_rule import module_loss
 from dynamics.parameter_groups import is_bias
+from dynamics.params import module_copy, named_modules
 
 #: Layers that take a ``bias`` option in PyTorch: the rows of the layer table.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (
@@ -82,8 +88,10 @@ def audit(
     Args:
         model: any module.
         example_input: what ``model(example_input)`` takes (a tensor, or a tuple, list or dict
-            of them). With it, one forward (no gradients; train/eval flags, buffers and random
-            state restored) traces the data flow and measures the mean output of every
+            of them), or the arguments of ``model(*args, **kwargs)`` as a
+            :class:`~dynamics.batch_tree.ForwardArguments` (a Hugging Face model's
+            ``input_ids=``). With it, one forward (no gradients; train/eval flags, buffers
+            and random state restored) traces the data flow and measures the mean output of every
             activation module, another finds activations called as functions, and the origin
             check evaluates f at the input's zero. Without it, the parameter counts and the
             registration-order structure only.
@@ -162,12 +170,12 @@ def forward_input(module: nn.Module, batch: Any) -> tuple[str, Any]:
     step calls ``self(x)``, else the submodule it calls (``self.student(x)``).
 
     Returns:
-        ``(path, input)``: the network's module path (``""``: ``module``) and the one argument
-        its forward got.
+        ``(path, input)``: the network's module path (``""``: ``module``) and what its forward
+        got: the one positional argument, else all its arguments as
+        :class:`~dynamics.batch_tree.ForwardArguments` (``self.model(input_ids=ids)``).
 
     Raises:
-        DynamicsError: the loss cannot be taken on ``batch``, no module is called, or the
-            first call has other than one positional argument.
+        DynamicsError: the loss cannot be taken on ``batch``, or no module is called.
     """
     calls: list[tuple[nn.Module, tuple, dict]] = []
     depth = [0]
@@ -201,12 +209,16 @@ def forward_input(module: nn.Module, batch: Any) -> tuple[str, Any]:
         raise DynamicsError(f"the loss of {name} on the batch calls no module")
     network, args, kwargs = calls[0]
     path = next(n for n, m in module.named_modules() if m is network)
-    if len(args) != 1 or kwargs:
-        raise DynamicsError(
-            f"{path or name} was called with {len(args)} positional and {len(kwargs)} keyword "
-            "argument(s); the audit passes one input"
-        )
-    return path, args[0]
+    if len(args) == 1 and not kwargs:
+        return path, args[0]
+    return path, ForwardArguments(tuple(args), dict(kwargs))
+
+
+def token_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
+    """``(path, module)`` of ``model``'s first module when it is an ``nn.Embedding`` (in
+    registration order): a model that reads token ids, which no N(0, 1) input can be."""
+    first = next(((n, m) for n, m in named_modules(model) if not next(m.children(), None)), None)
+    return first if first is not None and isinstance(first[1], nn.Embedding) else None
 
 
 @dataclass
@@ -225,7 +237,7 @@ def _units(model: nn.Module) -> dict[str, nn.Module]:
     ``out_proj``'s weight functionally, a shifted activation's φ is part of it)."""
     units: dict[str, nn.Module] = {}
     wholes: list[str] = []
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):  # compiled or not, the model's own names
         if any(name.startswith(f"{w}.") or not w for w in wholes):
             continue
         if isinstance(module, (nn.MultiheadAttention, ShiftedActivation)):
@@ -241,7 +253,8 @@ def _is_layer(module: nn.Module) -> bool:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in flatten_batch(value)[1] if t.numel()]
+    tree = value.tree if isinstance(value, ForwardArguments) else value
+    return [t for t in flatten_batch(tree)[1] if t.numel()]
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -309,7 +322,7 @@ def _trace(model: nn.Module, units: dict[str, nn.Module], example_input: Any) ->
             flow.sums[name] = [0.0, 0]
     try:
         with _hooks(units, before, after), side_effect_free(model), torch.no_grad():
-            model(example_input)
+            call_forward(model, example_input)
     except Exception as error:  # any failure of user code: the example input does not fit
         raise DynamicsError(
             f"the forward of {type(model).__name__} on the example input failed: {one_line(error)}"
@@ -346,7 +359,7 @@ def _parameters(model: nn.Module) -> tuple[ParameterCount, ...]:
     """One row per module holding parameters; a tied parameter (an output layer sharing the
     embedding's weight) counts once, at the first module holding it, as ``parameters()``."""
     rows, seen = [], set()
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         seen |= {id(p) for _, p in own}
         if own:
@@ -431,13 +444,16 @@ def _origin(model: nn.Module, example_input: Any, draws: int, seed: int) -> Orig
 
     if example_input is None:
         return skipped("no example input")
-    tree, leaves = flatten_batch(example_input)
+    arguments = isinstance(example_input, ForwardArguments)
+    tree, leaves = flatten_batch(example_input.tree if arguments else example_input)
     if not leaves or not all(t.is_floating_point() for t in leaves):
         return skipped("the input is not all floating point: token ids have no origin")
     try:
+        live = example_input.tree if arguments else example_input
         zeros = [torch.zeros_like(t) for t in leaves]
-        zero = unflatten_batch(tree, zeros, named_tuple_classes(example_input))
-        twin = copy.deepcopy(model)
+        zero = unflatten_batch(tree, zeros, named_tuple_classes(live))
+        zero = ForwardArguments(*zero) if arguments else zero
+        twin = module_copy(model)
     except Exception as error:  # an unsupported batch type, a module that cannot be copied
         return skipped(f"cannot copy the model and zero its input: {one_line(error)}")
     generator = torch.Generator().manual_seed(seed)
@@ -449,7 +465,7 @@ def _origin(model: nn.Module, example_input: Any, draws: int, seed: int) -> Orig
                 draw = torch.randn(p.shape, generator=generator, dtype=torch.float64)
                 p.copy_(draw / math.sqrt(fan_in) if fan_in else draw)
             try:
-                output = _tensors(twin(zero))
+                output = _tensors(call_forward(twin, zero))
             except Exception as error:  # any failure of user code at the zero input
                 return skipped(f"the forward at the zero input failed: {one_line(error)}")
             floats = [t for t in output if t.is_floating_point()]

@@ -22,6 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dynamics.activations import ShiftedActivation
+from dynamics.batch_tree import call_forward
 from dynamics.errors import DynamicsError
 from dynamics.isolation import side_effect_free
 from dynamics.name_globs import glob_any, glob_match, matched
@@ -240,7 +241,7 @@ def _functional_calls(
             return func(*args, **(kwargs or {}))
 
     with _hooks(model, enter, leave), side_effect_free(model), torch.no_grad(), Recorder():
-        model(example_input)
+        call_forward(model, example_input)
     return [
         ShiftRow(
             where,

@@ -20,6 +20,7 @@ ATTR_BUFFERS = "buffers"  # the persistent buffers' layout: names, shapes, dtype
 ATTR_PROBES = "probes"  # [{"class", "name", "every_n_steps", "settings"}, ...]
 # What the fit was, recorded at its first batch so that runs of any project can be compared.
 ATTR_SUBMODULES = "submodules"  # {module name: [class path, extra_repr()]}
+ATTR_COMPILED = "compiled"  # names of the parts torch.compile compiled ("": the whole module)
 ATTR_OPTIMIZERS = "optimizers"  # [{"class_path", "param_groups": [{hyperparameter: value}]}]
 ATTR_SCHEDULERS = "schedulers"  # [{"class_path", "interval", "frequency", "state": {...}}]
 ATTR_PRECISION = "precision"  # the Trainer's, e.g. "32-true", "bf16-mixed"

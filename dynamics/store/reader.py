@@ -369,13 +369,14 @@ class Run:
         Classes are compared by their own name: a class loaded from a file lives in a module
         of another name than the training script's.
         """
+        from dynamics.params import named_submodules
+
         recorded = self.attrs.get(names.ATTR_SUBMODULES)
         if not isinstance(recorded, dict):
             return ""
         found = {
             name: [type(child).__name__, child.extra_repr()]
-            for name, child in model.named_modules()
-            if name
+            for name, child in named_submodules(model)
         }
         recorded = {
             name: [path.rsplit(".", 1)[-1], text] for name, (path, text) in recorded.items()
