@@ -91,7 +91,8 @@ class Activation:
         expected: E[out(z)], z ~ N(0, 1) elementwise, of what the module returns (E[φ(z)]; for
             a shifted activation, E[φ(z)] − c); ``None`` where not computed.
         measured: the mean of its output over the example input's forward (every element,
-            every call); ``None`` where not measured.
+            every call, pooled: ``note`` says when there were several); ``None`` where not
+            measured.
         note: why a value is missing.
     """
 

@@ -206,6 +206,30 @@ def test_activation_bias_expected_and_measured():
         assert elu.measured == pytest.approx(out.double().mean().item(), rel=1e-12)
 
 
+def test_a_reused_activation_says_its_calls_are_pooled():
+    class Reused(nn.Module):
+        """One ReLU after both layers: its measured mean pools two calls of other means."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.act = nn.Linear(3, 8), nn.Linear(8, 4), nn.ReLU()
+
+        def forward(self, x):
+            return self.act(self.fc2(self.act(self.fc1(x))))
+
+    model, x = Reused(), torch.randn(32, 3)
+    (row,) = audit(model, x).activations
+    with torch.no_grad():
+        first = F.relu(model.fc1(x)).double()
+        second = F.relu(model.fc2(first.float())).double()
+    pooled = (first.sum() + second.sum()) / (first.numel() + second.numel())
+    assert abs(first.mean() - second.mean()) > 1e-3  # a per-call mean could not pass
+    assert row.measured == pytest.approx(pooled.item(), rel=1e-12)
+    assert "called 2 times in one forward" in row.note
+    (single,) = audit(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), x).activations
+    assert "called" not in single.note
+
+
 def test_functional_activations_are_listed_not_measured():
     class Functional(nn.Module):
         def __init__(self) -> None:

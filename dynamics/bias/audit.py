@@ -228,7 +228,8 @@ class _Flow:
     order: list[str] = field(default_factory=list)  # units, first call first
     followers: dict[str, list[str]] = field(default_factory=dict)
     readers: set[str] = field(default_factory=set)  # units reading the example input
-    sums: dict[str, list[float]] = field(default_factory=dict)  # activation: [sum, count]
+    # activation: [sum, count, calls]; a module called twice is pooled and says so
+    sums: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _units(model: nn.Module) -> dict[str, nn.Module]:
@@ -310,6 +311,7 @@ def _trace(model: nn.Module, units: dict[str, nn.Module], example_input: Any) ->
                 producers[key] = (source, t._version)
             if name in flow.sums:
                 total = flow.sums[name]
+                total[2] += 1
                 for t in tensors:
                     if t.is_floating_point():
                         total[0] += float(t.double().sum())
@@ -319,7 +321,7 @@ def _trace(model: nn.Module, units: dict[str, nn.Module], example_input: Any) ->
 
     for name, module in units.items():
         if isinstance(module, (*EXPECTED_TYPES, *MEASURED_TYPES, ShiftedActivation)):
-            flow.sums[name] = [0.0, 0]
+            flow.sums[name] = [0.0, 0, 0]
     try:
         with _hooks(units, before, after), side_effect_free(model), torch.no_grad():
             call_forward(model, example_input)
@@ -492,6 +494,9 @@ def _activations(
             note = "; ".join(filter(None, [note, "not measured: no example input"]))
         elif measured is None:
             note = "; ".join(filter(None, [note, "not called by the forward"]))
+        elif total[2] > 1:
+            pooled = f"called {total[2]} times in one forward: the mean of all its calls' outputs"
+            note = "; ".join(filter(None, [note, pooled]))
         module = units[name]
         label = f"{type(module).__name__}({module.extra_repr()})"  # one line, unlike repr
         rows.append(Activation(name, label, expected, measured, note))
