@@ -185,6 +185,8 @@ MUTATIONS: dict[str, Mutation] = {
     "probes_dict": _set_attr("probes", '{"a": 1}'),
     "probes_strings": _set_attr("probes", '["a", "b"]'),
     "module_list": _set_attr("module", "[1]"),
+    "submodules_entry_not_a_pair": _set_attr("submodules", '{"student": {"a": 1}}'),
+    "submodules_entry_of_numbers": _set_attr("submodules", '{"student": [1, 2]}'),
     "theta0_sha_number": _set_attr("theta0_sha256", 3),
     # series structure
     "series_not_group": lambda p: _replace(p, "series", np.arange(3)),
