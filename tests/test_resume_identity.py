@@ -347,3 +347,10 @@ def test_an_edited_checkpoint_state_is_refused_in_one_line(tmp_path, quiet_train
     torch.save(checkpoint, ckpt)
     message = refused(quiet_trainer, path, "edited or damaged checkpoint", ckpt=ckpt)
     assert repr(entry) in message
+
+
+def test_a_read_only_run_file_is_refused_not_rewritten(tmp_path, quiet_trainer):
+    path, ckpt = recorded_run(quiet_trainer, tmp_path)
+    path.chmod(0o444)
+    refused(quiet_trainer, path, "read-only", ckpt=ckpt)
+    assert path.stat().st_mode & 0o777 == 0o444
