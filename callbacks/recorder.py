@@ -343,6 +343,7 @@ class RecorderBase:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Rows written before the checkpoint stay; later ones are dropped and recorded again.
         # Probes disabled before it stay disabled, so their series keep no gap.
+        _check_recorder_state(state_dict)
         self._last_step = state_dict["last_step"]
         self._last_rows = dict(state_dict["last_rows"])
         self._resume_from = dict(self._last_rows)
@@ -783,6 +784,51 @@ def _is_recorder_state(state: Any) -> bool:
     """Whether a callback state in a checkpoint is a recorder's (of any namespace, any
     version)."""
     return isinstance(state, dict) and {"path", "last_step", "last_rows", "probes"} <= state.keys()
+
+
+#: What each entry of the recorder's checkpointed state holds: its types, and those of its
+#: values (a dict's) or items (a list's) when it has any to check.
+_STATE_FIELDS: dict[str, tuple[tuple[type, ...], type | tuple[type, ...] | None]] = {
+    "path": ((str, type(None)), None),
+    "run": ((dict, type(None)), (str, type(None))),
+    "rows": ((dict, type(None)), int),
+    "groups": ((dict, type(None)), str),
+    "last_step": ((int,), None),
+    "last_rows": ((dict,), int),
+    "disabled": ((list, tuple), str),
+    "probes": ((dict,), dict),
+    "model_edits": ((list, type(None)), None),
+}
+#: Entries every checkpoint of a recorder holds; older ones lack the others.
+_STATE_REQUIRED = ("last_step", "last_rows", "probes")
+
+
+def _check_recorder_state(state: Any) -> None:
+    """Refuse a checkpoint's recorder state whose entries are not of the types the recorder
+    writes: a checkpoint is a file a user can edit, and a wrong type would fail deep in the
+    resume (a comparison, an unpacking) as a traceback.
+
+    Raises:
+        RunFileError: in one line, naming the entry.
+    """
+    if not isinstance(state, Mapping):
+        raise RunFileError(
+            f"the checkpoint's DynamicsRecorder state is a {type(state).__name__}, not a dict: "
+            "an edited or damaged checkpoint"
+        )
+    for key, (kinds, item_kinds) in _STATE_FIELDS.items():
+        if key not in state and key not in _STATE_REQUIRED:
+            continue
+        value = state.get(key)
+        items = value.values() if isinstance(value, dict) else value
+        well_typed = isinstance(value, kinds) and not isinstance(value, bool)
+        if well_typed and item_kinds is not None and value is not None:
+            well_typed = all(isinstance(v, item_kinds) and not isinstance(v, bool) for v in items)
+        if not well_typed:
+            raise RunFileError(
+                f"the checkpoint's DynamicsRecorder state holds {str(value)[:60]!r} as {key!r}, "
+                "not what a recorder writes: an edited or damaged checkpoint"
+            )
 
 
 def _same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:

@@ -185,6 +185,8 @@ MUTATIONS: dict[str, Mutation] = {
     "probes_dict": _set_attr("probes", '{"a": 1}'),
     "probes_strings": _set_attr("probes", '["a", "b"]'),
     "module_list": _set_attr("module", "[1]"),
+    "submodules_entry_not_a_pair": _set_attr("submodules", '{"student": {"a": 1}}'),
+    "submodules_entry_of_numbers": _set_attr("submodules", '{"student": [1, 2]}'),
     "theta0_sha_number": _set_attr("theta0_sha256", 3),
     # series structure
     "series_not_group": lambda p: _replace(p, "series", np.arange(3)),
@@ -352,6 +354,18 @@ def _unwritten_vector(name: str, shape: tuple[int, ...], chunks: bool) -> Mutati
     return lambda path: _edit(path, change)
 
 
+def _contiguous_unwritten(name: str, shape: tuple[int, ...], dtype: str) -> Mutation:
+    """A dataset other than a vector (a series, an event field) declared of ``shape`` and never
+    written: contiguous, so no storage at all, but read whole by its readers."""
+
+    def change(file: h5py.File) -> None:
+        if name in file:
+            del file[name]
+        file.create_dataset(name, shape=shape, dtype=dtype)
+
+    return lambda path: _edit(path, change)
+
+
 def _wide_empty_series(name: str, width: int) -> Mutation:
     """A series of no rows whose rows would hold ``width`` entries (nothing to store, but
     each entry is named and drawn)."""
@@ -445,6 +459,19 @@ UNTRUSTED: dict[str, tuple[Mutation, str | None]] = {
     "vector_contiguous_unwritten": (
         _unwritten_vector(V + "hessian_float_bits", (16 * GiB,), chunks=False),
         None,
+    ),
+    # Only a vector is exempt from the count: the readers read these whole.
+    "event_field_contiguous_unwritten": (
+        _contiguous_unwritten("events/message", (1 << 26,), "S512"),
+        "more than it stores",
+    ),
+    "step_index_contiguous_unwritten": (
+        _contiguous_unwritten(S + "loss/step", (1 << 31,), "int64"),
+        "more than it stores",
+    ),
+    "series_contiguous_unwritten": (
+        _contiguous_unwritten(S + "loss/ghost", (30, 1 << 24), "float64"),
+        "more than it stores",
     ),
     "chunk_gzip_256mib": (_huge_gzip_chunk, "has chunks of"),
     "row_of_2_28_columns": (_wide_empty_series("hidden_norms/wide", 1 << 28), "has rows of"),

@@ -115,6 +115,25 @@ def test_a_write_goes_through_a_temporary_file_and_cleans_a_killed_writers_lefto
     assert sorted(p.name for p in tmp_path.iterdir()) == [other.name, "page.html"]
 
 
+def test_a_lock_path_holding_another_file_is_refused_and_left_as_it_was(tmp_path):
+    """Taking a lock truncates its file: a hard link at ``NAME.lock`` (to a run file) or a
+    file of that name (``uv.lock`` for ``-o uv``) must never be taken."""
+    victim = tmp_path / "victim.h5"
+    victim.write_bytes(b"a run's bytes")
+    os.link(victim, tmp_path / "page.html.lock")
+    (tmp_path / "uv.lock").write_text("someone's dependencies")
+    stale = tmp_path / "old.html.lock"
+    stale.write_text("pid 999999 on elsewhere")  # a killed writer's: taken again
+    for page, why in (("page.html", "hard link"), ("uv", "not a lock")):
+        with pytest.raises(DynamicsError, match=why) as refused:
+            write_atomically(tmp_path / page, "new")
+        assert "\n" not in str(refused.value) and not (tmp_path / page).exists()
+    assert victim.read_bytes() == b"a run's bytes"
+    assert (tmp_path / "uv.lock").read_text() == "someone's dependencies"
+    write_atomically(tmp_path / "old.html", "new")
+    assert (tmp_path / "old.html").read_text() == "new" and not stale.exists()
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)

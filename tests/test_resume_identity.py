@@ -334,3 +334,23 @@ def test_the_runs_own_file_missing_a_row_before_the_checkpoint_is_refused(tmp_pa
             dataset.resize(len(values), axis=0)
             dataset[:] = values
     refused(quiet_trainer, path, r"holds 2 rows of 'loss' through step 2, .* counted 3", ckpt=ckpt)
+
+
+@pytest.mark.parametrize(
+    "entry, value", [("run", "abc"), ("last_step", "x"), ("rows", {"loss": [1]})]
+)
+def test_an_edited_checkpoint_state_is_refused_in_one_line(tmp_path, quiet_trainer, entry, value):
+    path, ckpt = recorded_run(quiet_trainer, tmp_path)
+    checkpoint = torch.load(ckpt, weights_only=False)
+    (state,) = (v for k, v in checkpoint["callbacks"].items() if "DynamicsRecorder" in k)
+    state[entry] = value
+    torch.save(checkpoint, ckpt)
+    message = refused(quiet_trainer, path, "edited or damaged checkpoint", ckpt=ckpt)
+    assert repr(entry) in message
+
+
+def test_a_read_only_run_file_is_refused_not_rewritten(tmp_path, quiet_trainer):
+    path, ckpt = recorded_run(quiet_trainer, tmp_path)
+    path.chmod(0o444)
+    refused(quiet_trainer, path, "read-only", ckpt=ckpt)
+    assert path.stat().st_mode & 0o777 == 0o444

@@ -14,7 +14,8 @@ walking the file's links once without following any:
   writer can leave declared before their data reached the disk, and claiming no more storage
   than the file has (plus that margin, for a file a full disk cut short). A vector never
   written is not allocated at all; readers treat it as unwritten without reading it
-  (:func:`allocated`);
+  (:func:`allocated`), so it alone is exempt: any other dataset (a series, its step index, an
+  event field) is read whatever its storage, and counts whole;
 - series: rows of at most :data:`MAX_ROW_ENTRIES` entries, or θ0's when it is larger;
 - attributes: scalars (the writer stores structured ones as JSON text), short text ones of at
   most :data:`MAX_TEXT_ATTR_BYTES`, the others of at most :data:`MAX_ATTR_BYTES`.
@@ -145,8 +146,8 @@ def _unwritten_bytes(dataset: h5py.Dataset, name: str, path: Path) -> int:
                 f"{MAX_CHUNK_BYTES >> 20} MiB or one row): damaged or crafted"
             )
     stored = dataset.id.get_storage_size()
-    if dataset.chunks is None and not stored:
-        return 0  # never written: never read (see allocated)
+    if dataset.chunks is None and not stored and name.startswith(f"{VECTORS}/"):
+        return 0  # a vector never written: never read (see allocated); other datasets are read
     declared = int(np.prod(shape, dtype=np.float64)) * itemsize
     return max(0, declared - stored)
 

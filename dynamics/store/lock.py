@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import socket
 import time
 from multiprocessing.util import Finalize
@@ -74,6 +75,7 @@ class RunLock:
             # already removed guards nothing, so take the one now at the path instead.
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    _check_lock_file(path, fd, run_file)
                     _name_owner(path, fd, run_file)
                     return cls(path, fd)
             os.close(fd)
@@ -82,6 +84,30 @@ class RunLock:
     def release(self) -> None:
         """Give the path up (a second call does nothing)."""
         self._release()
+
+
+#: What a lock file holds: its owner's name (:func:`_name_owner`), or nothing yet.
+_OWNER_TEXT = re.compile(rb"(pid \d+ on \S*)?")
+
+
+def _check_lock_file(path: Path, fd: int, run_file: Path) -> None:
+    """Refuse a file at the lock's path that is not a lock file: taking the lock truncates it,
+    so a hard link there (to a run file) or a file of that name (``uv.lock`` for ``-o uv``)
+    would be destroyed. The file is left as it was (and unlocked).
+
+    Raises:
+        RunFileError: in one line, naming the file.
+    """
+    info = os.fstat(fd)
+    head = os.pread(fd, 512, 0)
+    if info.st_nlink == 1 and info.st_size <= 512 and _OWNER_TEXT.fullmatch(head.strip()):
+        return
+    os.close(fd)  # releases the flock; the file is not ours to remove
+    why = "a hard link to another file" if info.st_nlink > 1 else "a file that is not a lock"
+    raise RunFileError(
+        f"cannot lock {run_file}: {path} is {why}, which taking the lock would truncate; "
+        "remove it or choose another path"
+    )
 
 
 def _name_owner(path: Path, fd: int, run_file: Path) -> None:

@@ -174,6 +174,16 @@ def check_attrs(attrs: dict[str, Any]) -> None:
     for name, keys in ((names.ATTR_LAYOUT, 2), (names.ATTR_BUFFERS, 3)):
         if isinstance(attrs.get(name), dict):
             _check_layout(name, attrs[name], keys)
+    submodules = attrs.get(names.ATTR_SUBMODULES)
+    for name, record in submodules.items() if isinstance(submodules, dict) else ():
+        # [class path, extra_repr()]: the rebuild, load_into and compare unpack each one.
+        if not (isinstance(record, list) and len(record) == 2) or not all(
+            isinstance(text, str) for text in record
+        ):
+            raise ValueError(
+                f"attribute 'submodules' holds {str(record)[:60]!r} for {str(name)[:60]!r}, "
+                "not [class path, settings]"
+            )
     probes = attrs.get(names.ATTR_PROBES)
     for probe in probes if isinstance(probes, list) else ():
         if not isinstance(probe, dict) or not isinstance(probe.get("settings", {}), dict):

@@ -34,6 +34,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -338,6 +339,14 @@ class RunWriter:
         path = Path(path)
         if not path.is_file():
             raise RunFileError(f"cannot resume: run file {path} is missing")
+        mode = path.stat().st_mode
+        if not mode & 0o222:
+            # A resume rewrites the file under a new name (mode 0644): the permission its owner
+            # set to protect the run would silently go, even for root, who writes anything.
+            raise RunFileError(
+                f"cannot resume {path}: it is read-only (mode {stat.S_IMODE(mode):o}), and a "
+                "resume rewrites it; make it writable (chmod u+w) to continue it"
+            )
         _check_whole(path)
         try:
             run = open_run(path)
