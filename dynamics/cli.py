@@ -685,7 +685,9 @@ def _compare(args: argparse.Namespace) -> int:
         return _compare_groups(args)
     if args.reference or args.json:
         raise DynamicsError("--reference and --json go with groups (--group or a <variant>/ dir)")
-    if len(args.runs) < 2:
+    from dynamics.store import run_files
+
+    if len(run_files(args.runs)) < 2:  # a folder counts its run files
         raise DynamicsError(
             "compare: two or more run files are required, or groups (--group NAME=PATH)"
         )

@@ -680,6 +680,9 @@ def open_run(path: str | os.PathLike) -> Run:
 def run_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
     """The run files of ``paths``: each file as given, each directory's ``*.h5`` files by name.
 
+    A directory's other outputs of this toolkit (``dynamics plane``'s ``X.plane.h5`` grids,
+    written beside the runs) are not runs and are left out.
+
     Raises:
         RunFileError: a directory holding no ``.h5`` file.
     """
@@ -688,11 +691,23 @@ def run_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
         if not path.is_dir():
             files.append(path)
             continue
-        inside = sorted(p for p in path.glob("*.h5") if p.is_file())
+        inside = sorted(p for p in path.glob("*.h5") if p.is_file() and not other_output(p))
         if not inside:
             raise RunFileError(f"{path}: is a directory holding no run file (*.h5)")
         files.extend(inside)
     return files
+
+
+def other_output(path: Path) -> bool:
+    """Whether ``path`` is an HDF5 output of this toolkit other than a run file (its root
+    ``schema`` attribute names another ``dynamics-`` kind); a file that cannot be read is not
+    (opening it as a run says what is wrong with it)."""
+    try:
+        with h5py.File(path, "r") as file:
+            schema = decode_attr(file.attrs.get("schema"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(schema, str) and schema.startswith("dynamics-") and schema != SCHEMA
 
 
 #: Seconds a file modified this recently is read again when it cannot be read yet.
