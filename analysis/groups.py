@@ -42,7 +42,7 @@ from dynamics.analysis.paired_statistics import (
 )
 from dynamics.analysis.run_views import run_overshoot
 from dynamics.errors import DynamicsError
-from dynamics.store import Run, open_run
+from dynamics.store import Run, open_run, other_output
 
 __all__ = [
     "Group",
@@ -165,10 +165,9 @@ def load_groups(specs: Sequence[tuple[str, str | os.PathLike]]) -> list[Group]:
 
 def _group_runs(name: str, where: str) -> dict[int, Run]:
     path = Path(where)
-    if path.is_dir():
-        files = sorted(p for p in path.glob("*.h5") if p.is_file())
-    else:
-        files = sorted(Path(p) for p in glob.glob(where) if Path(p).is_file())
+    found = path.glob("*.h5") if path.is_dir() else map(Path, glob.glob(where))
+    # a plane grid written beside the runs is this toolkit's output, not a run of the group
+    files = sorted(p for p in found if p.is_file() and not other_output(p))
     if not files:
         raise DynamicsError(f"group {name}: no run files (*.h5) in {where}")
     runs: dict[int, Run] = {}

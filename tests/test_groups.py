@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import h5py
 import numpy as np
 import pytest
 import yaml
 
 from dynamics.analysis.groups import compare_groups, load_groups
+from dynamics.analysis.output import PLANE_GRID_SCHEMA
 from dynamics.store import RunWriter, SeriesSpec, open_run
 from tests.conftest import TINY_EXPERIMENT
 
@@ -136,6 +138,17 @@ def test_cli_groups_and_json(layout, dynamics):
     assert sorted(data["groups"]["shifted"]) == ["0", "1", "2"]
     stats = {s["measure"]: s for s in data["comparisons"][0]["statistics"]}
     assert stats["final held-out loss, shifted − unshifted"]["centre"] == pytest.approx(-0.08)
+
+
+def test_a_plane_grid_beside_a_groups_runs_is_not_taken_for_a_run(layout, dynamics, tmp_path):
+    for variant in ("shifted", "unshifted"):
+        shutil.copytree(layout / variant, tmp_path / variant)
+        with h5py.File(tmp_path / variant / "plane.plane.h5", "w") as grid:
+            grid.attrs["schema"] = PLANE_GRID_SCHEMA  # what `dynamics plane -o plane.html` writes
+    groups = [f"unshifted={tmp_path / 'unshifted'}", f"shifted={tmp_path / 'shifted' / '*.h5'}"]
+    result = dynamics("compare", "--group", groups[0], "--group", groups[1], "--json")
+    assert result.returncode == 0, result.stderr
+    assert sorted(json.loads(result.stdout)["groups"]["shifted"]) == ["0", "1", "2"]
 
 
 def test_reference_option_swaps_the_sign(layout, dynamics):

@@ -10,6 +10,7 @@ from dynamics.store.reader import (
     Series,
     StoredState,
     open_run,
+    other_output,
     run_files,
 )
 from dynamics.store.schema import SCHEMA, SCHEMA_VERSION, RunFileError, SeriesSpec, View
@@ -31,5 +32,6 @@ __all__ = [
     "View",
     "names",
     "open_run",
+    "other_output",
     "run_files",
 ]
