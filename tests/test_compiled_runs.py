@@ -33,6 +33,7 @@ from dynamics.callbacks import (
 from dynamics.cli import main
 from dynamics.rebuild import rebuild_module
 from dynamics.store import names
+from tests.conftest import make_quiet_trainer
 
 THIS_FILE = Path(__file__).resolve()
 BACKEND = "aot_eager"
@@ -78,13 +79,8 @@ def fit(path, compiled: str) -> object:
         LossChangeSplit(every_n_steps=1),
         BiasAudit(),
     ]
-    pl.Trainer(
-        accelerator="cpu",
+    make_quiet_trainer(
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[DynamicsRecorder(path, probes)],
     ).fit(module)
     return open_run(path)

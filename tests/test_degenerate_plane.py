@@ -26,6 +26,7 @@ from dynamics.callbacks import (
 )
 from dynamics.cli import main
 from dynamics.store import names
+from tests.conftest import make_quiet_trainer
 
 THIS_FILE = Path(__file__).resolve()
 
@@ -53,13 +54,8 @@ def fit(path: Path, lr: float, partner: Path | None = None, at_end: bool = False
     torch.manual_seed(0)  # one θ0, one data order: the runs differ in lr alone
     plane = GradientPlane(partner=partner, at_end=at_end, grid=3)
     probes = [ParameterDisplacement(snapshot_every_n_steps=2), plane, TrainingLoss()]
-    pl.Trainer(
-        accelerator="cpu",
+    make_quiet_trainer(
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[DynamicsRecorder(path, probes)],
     ).fit(Classifier(lr))
     return path

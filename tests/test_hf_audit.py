@@ -19,6 +19,7 @@ from dynamics.batch_tree import ForwardArguments
 from dynamics.bias.audit import audit
 from dynamics.callbacks import BiasAudit, DynamicsRecorder
 from dynamics.cli import main
+from tests.conftest import make_quiet_trainer
 
 SCRIPT = """
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -103,13 +104,8 @@ class LanguageModel(pl.LightningModule):
 def test_bias_audit_traces_a_forward_called_with_keywords(tmp_path):
     torch.manual_seed(0)
     module = LanguageModel()
-    pl.Trainer(
-        accelerator="cpu",
+    make_quiet_trainer(
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[DynamicsRecorder(tmp_path / "lm.h5", [BiasAudit()])],
     ).fit(module)
     run = open_run(tmp_path / "lm.h5")

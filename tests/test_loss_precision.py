@@ -21,6 +21,7 @@ from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, LossChangeSplit
 from dynamics.loss_change import split_loss_change
 from dynamics.store import names
+from tests.conftest import make_quiet_trainer
 
 
 class TinyGPT2(pl.LightningModule):
@@ -63,13 +64,8 @@ class DoubleMLP(pl.LightningModule):
 
 def fit(module: pl.LightningModule, path) -> object:
     torch.manual_seed(0)
-    pl.Trainer(
-        accelerator="cpu",
+    make_quiet_trainer(
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[DynamicsRecorder(path, [LossChangeSplit(every_n_steps=1)])],
     ).fit(module)
     return open_run(path)

@@ -20,6 +20,7 @@ from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, LoggedMetrics, TrainingLoss
 from dynamics.store import names
 from dynamics.store.schema import SERIES, RunFileError
+from tests.conftest import make_quiet_trainer
 
 ODD_NAMES = [
     "val_loss",
@@ -106,16 +107,11 @@ def _loader(seed: int) -> DataLoader:
 def _fit_with(path, probes, num_sanity_val_steps=0, log_without_index=False) -> TwoLoaders:
     """Four steps of :class:`TwoLoaders`, validated after steps 2 and 4."""
     module = TwoLoaders(log_without_index)
-    pl.Trainer(
-        accelerator="cpu",
+    make_quiet_trainer(
         max_steps=4,
         val_check_interval=2,
         num_sanity_val_steps=num_sanity_val_steps,
         callbacks=[DynamicsRecorder(path, probes)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     ).fit(module)
     return module
 

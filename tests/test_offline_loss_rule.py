@@ -17,6 +17,7 @@ from dynamics.errors import DynamicsError
 from dynamics.loss_rule import module_loss
 from dynamics.rebuild import probe_batch
 from dynamics.store import RunWriter, SeriesSpec
+from tests.conftest import make_quiet_trainer
 
 
 class LogsTheLearningRate(pl.LightningModule):
@@ -49,14 +50,9 @@ class WithDynamicsLoss(LogsTheLearningRate):
 
 def _fit(path, module) -> None:
     probes = [ParameterDisplacement(), GradientPlane()]
-    pl.Trainer(
-        accelerator="cpu",
+    make_quiet_trainer(
         max_steps=3,
         callbacks=[DynamicsRecorder(path, probes)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     ).fit(module)
 
 

@@ -31,6 +31,7 @@ from dynamics.callbacks import (
 from dynamics.cli import main
 from dynamics.params import ParameterLayout, load_vector
 from dynamics.rebuild import probe_batch
+from tests.conftest import make_quiet_trainer
 
 THIS_FILE = Path(__file__).resolve()
 SMOOTHING = {"a": 0.0, "b": 0.3}
@@ -74,13 +75,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         torch.manual_seed(0)  # one θ0
         probes = [ParameterDisplacement(snapshot_every_n_steps=2), GradientPlane(), TrainingLoss()]
         paths[name] = folder / f"{name}.h5"
-        pl.Trainer(
-            accelerator="cpu",
+        make_quiet_trainer(
             max_steps=4,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             callbacks=[DynamicsRecorder(paths[name], probes)],
         ).fit(Smoothed(smoothing))
     return paths
