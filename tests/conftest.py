@@ -229,3 +229,12 @@ def recorded_runs(tmp_path_factory) -> list[Path]:
         trainer.fit(TinyClassifier(lr))
         paths.append(path)
     return paths
+
+
+def cli_in_process(capsys, *args) -> tuple[int, str]:
+    """``dynamics ARGS`` run in this process: its exit code and what it wrote on stderr."""
+    from dynamics.cli import main
+
+    capsys.readouterr()
+    code = main([*map(str, args)])
+    return code, capsys.readouterr().err

@@ -24,8 +24,8 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.cli import main
 from dynamics.store import names
+from tests.conftest import cli_in_process as cli
 from tests.conftest import make_quiet_trainer
 
 THIS_FILE = Path(__file__).resolve()
@@ -59,12 +59,6 @@ def fit(path: Path, lr: float, partner: Path | None = None, at_end: bool = False
         callbacks=[DynamicsRecorder(path, probes)],
     ).fit(Classifier(lr))
     return path
-
-
-def cli(capsys, *args) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main([*map(str, args)])
-    return code, capsys.readouterr().err
 
 
 def test_a_partner_of_the_same_gradient_keeps_g0_and_the_probe_batch(tmp_path, capsys):

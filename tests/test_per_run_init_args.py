@@ -28,9 +28,9 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.cli import main
 from dynamics.params import ParameterLayout, load_vector
 from dynamics.rebuild import probe_batch
+from tests.conftest import cli_in_process as cli
 from tests.conftest import make_quiet_trainer
 
 THIS_FILE = Path(__file__).resolve()
@@ -80,12 +80,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             callbacks=[DynamicsRecorder(paths[name], probes)],
         ).fit(Smoothed(smoothing))
     return paths
-
-
-def cli(capsys, *args) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main([*map(str, args)])
-    return code, capsys.readouterr().err
 
 
 def per_run(paths: dict[str, Path], names=("a", "b")) -> list[str]:
