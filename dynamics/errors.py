@@ -1,8 +1,31 @@
-"""The error the command line turns into one line on stderr and exit code 2."""
+"""The errors the command line turns into one line on stderr and exit code 2."""
 
 
 class DynamicsError(ValueError):
     """Bad input from the user (a file, a config, an argument); the message is one line."""
+
+
+class ParameterError(DynamicsError):
+    """A bad value of one named parameter of a library call.
+
+    The message names the parameter as the library spells it (``grid_side``); a front end that
+    spells it otherwise (the command line's ``--grid``) renders it with :meth:`naming`, so the
+    library never names a flag and each check lives once.
+
+    Example::
+
+        raise ParameterError("grid_side", "must be at least 2, got 1")
+        # str(): "grid_side must be at least 2, got 1"
+    """
+
+    def __init__(self, parameter: str, problem: str) -> None:
+        self.parameter = parameter
+        self.problem = problem
+        super().__init__(f"{parameter} {problem}")
+
+    def naming(self, spelling: str) -> str:
+        """The message with the parameter spelled ``spelling`` (e.g. ``--grid``)."""
+        return f"{spelling} {self.problem}"
 
 
 def one_line(error: BaseException | None) -> str:
