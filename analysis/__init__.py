@@ -4,6 +4,6 @@ The figures of the report and comparison pages, one call per view of a run, are 
 :mod:`dynamics.analysis.figures` (``from dynamics.analysis import figures``).
 """
 
-from dynamics.analysis.overshoot import OvershootReport, detect_overshoot
+from dynamics.analysis.measures.overshoot import OvershootReport, detect_overshoot
 
 __all__ = ["OvershootReport", "detect_overshoot"]

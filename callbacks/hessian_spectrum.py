@@ -107,7 +107,7 @@ class HessianSpectrum(Probe):
     ``(k, n)`` in float32 (the order of the trainable parameters), at records thinned evenly
     so that the fit's expected total stays within the budget, as parameter snapshots are; the
     first record is always among them. ``dynamics compare`` draws the overlap of two runs'
-    eigenspaces at the steps both stored (:mod:`dynamics.analysis.eigenspace_overlap`).
+    eigenspaces at the steps both stored (:mod:`dynamics.analysis.measures.eigenspace_overlap`).
 
     Args:
         k: how many eigenvalues.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from dynamics.errors import DynamicsError
 
 if TYPE_CHECKING:
-    from dynamics.analysis.report import Written
+    from dynamics.analysis.pages.page import Written
     from dynamics.bias_audit_result import AuditResult
     from dynamics.rebuild import RunInitArgs
 
@@ -471,8 +471,8 @@ def _run_seeds(args: argparse.Namespace, experiment: Any, config: Any) -> int:
 def _reproduce(args: argparse.Namespace) -> int:
     import shlex
 
-    from dynamics.analysis.reproduction_page import CLAIMS_HEADER, claim_rows
     from dynamics.experiments.config import parse_seeds
+    from dynamics.experiments.paper.reproduction_page import CLAIMS_HEADER, claim_rows
     from dynamics.experiments.reproduce import reproduce
     from dynamics.experiments.seed_runs import available_cores
 
@@ -589,7 +589,7 @@ def _status_line(status: dict) -> str:
 
 
 def _plane(args: argparse.Namespace) -> int:
-    from dynamics.analysis.plane_run import write_plane
+    from dynamics.analysis.pages.plane import write_plane
     from dynamics.memory import check_fits
 
     if args.grid < 2:
@@ -665,7 +665,7 @@ def _json_object(text: str | None, option: str) -> dict | None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from dynamics.analysis.report import write_report
+    from dynamics.analysis.pages.run_report import write_report
 
     written = write_report(
         args.runs,
@@ -678,7 +678,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from dynamics.analysis.groups import is_group_directory
+    from dynamics.analysis.measures.seed_groups import is_group_directory
 
     grouped = args.group or (len(args.runs) == 1 and is_group_directory(args.runs[0]))
     if grouped:
@@ -704,7 +704,7 @@ def _compare(args: argparse.Namespace) -> int:
 
         # The user's --model (a typo, a missing file) is their input, not a run's remark.
         model_target(args.model)
-    from dynamics.analysis.compare import write_comparison
+    from dynamics.analysis.pages.run_comparison import write_comparison
 
     barrier_batch = None
     if args.barrier_batch is not None:
@@ -712,7 +712,7 @@ def _compare(args: argparse.Namespace) -> int:
             raise DynamicsError(
                 "--barrier-batch: no loss barrier is evaluated with --barrier-points 0"
             )
-        from dynamics.analysis.loss_barrier import load_batch
+        from dynamics.analysis.measures.loss_barrier import load_batch
         from dynamics.store import open_run, run_files
 
         # Its size is bounded by the runs' probe batches: they are opened (not read) first.
@@ -734,18 +734,18 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _compare_groups(args: argparse.Namespace) -> int:
-    from dynamics.analysis.group_compare import (
-        STATISTICS_HEADER,
-        STATISTICS_NOTE,
-        groups_json,
-        statistics_rows,
-        write_group_comparison,
-    )
-    from dynamics.analysis.groups import (
+    from dynamics.analysis.measures.seed_groups import (
         compare_groups,
         directory_groups,
+        groups_json,
         load_groups,
         parse_group,
+    )
+    from dynamics.analysis.pages.group_comparison import (
+        STATISTICS_HEADER,
+        STATISTICS_NOTE,
+        statistics_rows,
+        write_group_comparison,
     )
 
     if args.group and args.runs:
@@ -804,7 +804,7 @@ def _print_written(written: Written) -> int:
 
 
 def _overshoot(args: argparse.Namespace) -> int:
-    from dynamics.analysis.report import run_overshoot
+    from dynamics.analysis.measures.run_series import run_overshoot
     from dynamics.store import open_run
 
     run = open_run(args.run)
@@ -861,7 +861,7 @@ def _overshoot(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     import torch
 
-    from dynamics.analysis.bias_audit import recorded_audit
+    from dynamics.analysis.measures.bias_audit import recorded_audit
     from dynamics.bias.audit import audit, audit_batch, token_embedding
     from dynamics.rebuild import build_module, probe_batch, rebuild_module
     from dynamics.store import names, open_run
@@ -912,7 +912,7 @@ def _audit(args: argparse.Namespace) -> int:
     if args.input_json is not None:
         example, note = _json_input(args.input_json, model)
     elif args.input_file is not None:
-        from dynamics.analysis.loss_barrier import load_batch
+        from dynamics.analysis.measures.loss_barrier import load_batch
 
         loaded = load_batch(args.input_file, what="--input-file")
         example, note = _arguments(loaded.batch), f"{args.input_file} (--input-file)"

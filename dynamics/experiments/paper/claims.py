@@ -15,16 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from dynamics.analysis.displacement_geometry import DisplacementGeometry, displacement_geometry
-from dynamics.analysis.groups import Group, GroupComparison
-from dynamics.analysis.paired_statistics import (
+from dynamics.analysis.measures.displacement_geometry import (
+    DisplacementGeometry,
+    displacement_geometry,
+)
+from dynamics.analysis.measures.paired_statistics import (
     DIFFERENCE,
     RATIO,
     VALUE,
     PairedStatistic,
     paired_statistic,
 )
-from dynamics.analysis.run_views import run_overshoot
+from dynamics.analysis.measures.run_series import run_overshoot
+from dynamics.analysis.measures.seed_groups import Group, GroupComparison
 from dynamics.errors import DynamicsError
 from dynamics.store import Run, names
 
