@@ -34,7 +34,16 @@ from dynamics.analysis.measures.run_series import (
 from dynamics.analysis.output import slug
 from dynamics.store import Run, names
 
-__all__ = ["DEDICATED_VIEWS", "DedicatedView", "Marks", "Named", "dedicated_view", "drawn_series"]
+__all__ = [
+    "DEDICATED_VIEWS",
+    "DedicatedView",
+    "Marks",
+    "Named",
+    "dedicated_view",
+    "descent_window",
+    "drawn_series",
+    "run_marks",
+]
 
 #: A figure with the key its static export is named by, e.g. ``("spectral-density", figure)``.
 Named = tuple[str, go.Figure]
@@ -97,6 +106,24 @@ def dedicated_view(group: str) -> DedicatedView:
         dedicated_view("hidden_norms").marks(run).window  # (start, end) of fastest descent
     """
     return DEDICATED_VIEWS.get(group, _GENERIC)
+
+
+def run_marks(run: Run) -> dict[str, Marks]:
+    """``{group: marks}`` of one run's figures, for each recorded group with a dedicated view
+    (computed once: judging overshoot takes seconds on a long run).
+
+    Example::
+
+        marks = run_marks(open_run("runs/demo/shifted.h5"))
+        marks["hidden_norms"].peaks  # {'norm': [Peak('block1', 120, 3.2)]}
+    """
+    return {g: view.marks(run) for g, view in DEDICATED_VIEWS.items() if g in run.groups}
+
+
+def descent_window(marks: Mapping[str, Marks]) -> tuple[float, float] | None:
+    """The window of fastest loss descent among one run's marks (the one the hidden-state
+    norms' overshoot verdicts are judged against), which its loss figure shades too."""
+    return next((m.window for m in marks.values() if m.window is not None), None)
 
 
 def drawn_series(run: Run, group: str, marks: Marks | None = None) -> list[SeriesView]:

@@ -16,7 +16,13 @@ import numpy as np
 import plotly.graph_objects as go
 from numpy.typing import ArrayLike
 
-from dynamics.analysis.figures.dedicated_views import Marks, dedicated_view, drawn_series
+from dynamics.analysis.figures.dedicated_views import (
+    Marks,
+    dedicated_view,
+    descent_window,
+    drawn_series,
+    run_marks,
+)
 from dynamics.analysis.figures.lines import DISPLAY_BUDGET, Curve, line_figure, run_colors
 from dynamics.analysis.figures.series import compared_view_figure, density_figure, view_figure
 from dynamics.analysis.measures.run_series import (
@@ -36,6 +42,7 @@ __all__ = [
     "hidden_norms",
     "loss",
     "loss_figure",
+    "run_loss_figure",
     "spectral_density",
 ]
 
@@ -67,15 +74,7 @@ def loss(runs: RunLike | Sequence[RunLike], *, labels: Sequence[str] | None = No
         if run.train_loss() is None and run.heldout_loss() is None:
             raise DynamicsError(f"{run.path}: no training or held-out loss recorded")
     if len(opened) == 1:
-        run = opened[0]
-        train, heldout = run.train_loss(), run.heldout_loss()
-        return loss_figure(
-            None if train is None else (train.step, train.values),
-            None if heldout is None else (heldout.step, heldout.values),
-            heldout_name=None if heldout is None else heldout.name,
-            # the window the norms' overshoot verdicts are judged against
-            window=dedicated_view(names.HIDDEN_NORMS).marks(run).window,
-        )
+        return run_loss_figure(opened[0], descent_window(run_marks(opened[0])))
     curves = []
     for run, label, color in zip(opened, given_labels(opened, labels), run_colors(len(opened))):
         train, heldout = run.train_loss(), run.heldout_loss()
@@ -205,6 +204,22 @@ def spectral_density(
             raise DynamicsError(f"{run.path}: no spectral density recorded")
     titles = [""] if len(opened) == 1 else given_labels(opened, labels)
     return density_figure(dict(zip(titles, rows)))
+
+
+def run_loss_figure(run: Run, window: tuple[float, float] | None = None) -> go.Figure:
+    """One run's training and held-out loss (:func:`loss_figure`), ``window`` shaded.
+
+    Example::
+
+        run_loss_figure(run, descent_window(run_marks(run)))
+    """
+    train, heldout = run.train_loss(), run.heldout_loss()
+    return loss_figure(
+        None if train is None else (train.step, train.values),
+        None if heldout is None else (heldout.step, heldout.values),
+        heldout_name=None if heldout is None else heldout.name,
+        window=window,
+    )
 
 
 def loss_figure(

@@ -2,10 +2,10 @@
 readers of :class:`~dynamics.store.Run`.
 
 Every series that declares a view is drawn from it (:func:`series_views`), except those a
-dedicated view draws instead (which are, is the table of
-:mod:`dynamics.analysis.figures.dedicated_views`). The numbers dedicated views mark or draw are
-here too: a run's overshoot verdicts (:func:`run_overshoot`) with their peaks and loss window,
-and its spectral density (:func:`density_rows`).
+dedicated view draws instead (the table of :mod:`dynamics.analysis.figures.dedicated_views`
+says which). The numbers dedicated views mark or draw are here too: a run's overshoot verdicts
+(:func:`run_overshoot`) with their peaks and loss window, and its spectral density
+(:func:`density_rows`).
 """
 
 from __future__ import annotations

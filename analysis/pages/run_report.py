@@ -21,8 +21,14 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 
 from dynamics import __version__
-from dynamics.analysis.figures.dedicated_views import dedicated_view, drawn_series
-from dynamics.analysis.figures.runs import loss
+from dynamics.analysis.figures.dedicated_views import (
+    Marks,
+    dedicated_view,
+    descent_window,
+    drawn_series,
+    run_marks,
+)
+from dynamics.analysis.figures.runs import run_loss_figure
 from dynamics.analysis.figures.series import view_figure
 from dynamics.analysis.measures.bias_audit import recorded_audit
 from dynamics.analysis.measures.overshoot import OvershootReport
@@ -139,16 +145,16 @@ def _run_figures(run: Run) -> list[tuple[str, go.Figure]]:
     """The figures of one run, ``(file-name key, figure)``: the loss, then group by group, each
     group's figure followed by its dedicated view's."""
     figures = []
+    marks = run_marks(run)
     if run.train_loss() is not None or run.heldout_loss() is not None:
-        figures.append(("loss", loss(run)))
+        figures.append(("loss", run_loss_figure(run, descent_window(marks))))
     for group in drawn_groups([run]):
-        dedicated = dedicated_view(group)
-        marks = dedicated.marks(run)
-        drawn = drawn_series(run, group, marks)
+        mark = marks.get(group, Marks())
+        drawn = drawn_series(run, group, mark)
         if drawn:
             title = group_title(group)
-            figures.append((slug(group), view_figure(drawn, title=title, window=marks.window)))
-        figures += dedicated.run_figures(run)
+            figures.append((slug(group), view_figure(drawn, title=title, window=mark.window)))
+        figures += dedicated_view(group).run_figures(run)
     return figures
 
 

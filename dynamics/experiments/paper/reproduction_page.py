@@ -96,7 +96,15 @@ def write_reproduction(
     wall_s: float,
 ) -> tuple[Written, Path]:
     """Write the report to ``out`` (HTML, already checked) and its JSON beside it
-    (``out`` with suffix ``.json``); returns what was written and the JSON's path."""
+    (``out`` with suffix ``.json``); returns what was written and the JSON's path.
+
+    Example::
+
+        written, summary = write_reproduction(
+            results, records, Path("runs/reproduce/reproduce.html"),
+            command="dynamics reproduce --quick", mode="quick", wall_s=312.0,
+        )
+    """
     figures = [("claims", _claims_figure(results))] if _measured(results) else []
     body = [
         "<h1>dynamics: reproduction of seed 002's claims</h1>",
