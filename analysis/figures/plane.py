@@ -29,7 +29,7 @@ from dynamics.errors import DynamicsError
 from dynamics.store import Run, Series, names
 
 if TYPE_CHECKING:  # the plane views import torch, which the figures of a recorded run never do
-    from dynamics.landscape import PlaneView
+    from dynamics.geometry.landscape import PlaneView
 
 __all__ = [
     "checkpoint_loss_figure",

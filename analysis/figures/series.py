@@ -30,7 +30,7 @@ from dynamics.analysis.figures.lines import (
     y_scale,
 )
 from dynamics.analysis.measures.run_series import Peak, SeriesView
-from dynamics.broadening import broadened_density
+from dynamics.curvature.broadening import broadened_density
 
 __all__ = ["compared_view_figure", "density_figure", "view_figure"]
 

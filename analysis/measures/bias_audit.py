@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dynamics.bias_audit_result import SETTINGS_KEY, AuditResult
+from dynamics.bias.audit_result import SETTINGS_KEY, AuditResult
 from dynamics.store import Run, names
 
 __all__ = ["recorded_audit"]

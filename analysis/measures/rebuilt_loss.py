@@ -1,10 +1,11 @@
 """The loss of a run's model rebuilt from its file: what the plane views and the loss barriers
 evaluate.
 
-The model is rebuilt (:func:`~dynamics.rebuild.rebuild_module`) in eval mode, its loss taken by
-the rule of :mod:`dynamics.loss_rule` on the run's stored probe batch (or a given one), each
+The model is rebuilt (:func:`~dynamics.model.rebuild.rebuild_module`) in eval mode, its loss taken
+by
+the rule of :mod:`dynamics.passes.loss_rule` on the run's stored probe batch (or a given one), each
 point with the buffers (BatchNorm statistics) of the nearest stored state
-(:mod:`dynamics.nearest_buffers`).
+(:mod:`dynamics.geometry.nearest_buffers`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from dynamics.errors import DynamicsError, one_line
-from dynamics.landscape import LossSurface
-from dynamics.loss_rule import LossUnavailable, loss_source
-from dynamics.nearest_buffers import NearestBuffers
-from dynamics.rebuild import RunInitArgs, probe_batch, rebuild_module
+from dynamics.geometry.landscape import LossSurface
+from dynamics.geometry.nearest_buffers import NearestBuffers
+from dynamics.model.probe_batch import probe_batch
+from dynamics.model.rebuild import RunInitArgs, rebuild_module
+from dynamics.passes.loss_rule import LossUnavailable, loss_source
 from dynamics.store import Run, names
 
 __all__ = ["BatchRefused", "rebuilt_surface"]
@@ -42,9 +44,10 @@ def rebuilt_surface(
 
     Args:
         run: the run whose model and probe batch are used.
-        model: build this class or factory instead (see :func:`~dynamics.rebuild.rebuild_module`).
+        model: build this class or factory instead (see
+        :func:`~dynamics.model.rebuild.rebuild_module`).
         init_args: init args completing or overriding the recorded ones (see
-            :func:`~dynamics.rebuild.rebuild_module`).
+            :func:`~dynamics.model.rebuild.rebuild_module`).
         trust: import a recorded class from outside the installed packages.
         buffers_of: the runs whose stored states supply buffers; default ``run``'s.
         batch: the batch to evaluate on instead of the stored probe batch (on the CPU).

@@ -38,11 +38,12 @@ from dynamics.analysis.measures.rebuilt_loss import rebuilt_surface
 from dynamics.analysis.output import PLANE_GRID_SCHEMA, check_output, claimed
 from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
 from dynamics.errors import DynamicsError
-from dynamics.landscape import LossSurface, PlaneView
-from dynamics.rebuild import MissingInitArgs, RunInitArgs, run_init_args
+from dynamics.geometry.landscape import LossSurface, PlaneView
+from dynamics.model.rebuild import MissingInitArgs, RunInitArgs, run_init_args
 from dynamics.store import Run, names, open_run
+from dynamics.system import available_cores
 
-__all__ = ["PlaneWritten", "available_cores", "grid_path", "write_plane", "write_plane_html"]
+__all__ = ["PlaneWritten", "grid_path", "write_plane", "write_plane_html"]
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,6 @@ class _Job:
     html: Path
     results: Path
     remarks: list[str]
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def write_plane(
@@ -121,12 +117,12 @@ def write_plane(
             cores this process may use.
         progress: one progress bar, with an estimate of the time left, over every evaluation.
         model: build each run's model with this class or factory instead of the recorded
-            class (see :func:`~dynamics.rebuild.rebuild_module`).
+            class (see :func:`~dynamics.model.rebuild.rebuild_module`).
         init_args: init args overriding the recorded ones for both runs (a mapping), or each
             run's own, which also complete the ones it did not record
-            (:class:`~dynamics.rebuild.RunInitArgs`).
+            (:class:`~dynamics.model.rebuild.RunInitArgs`).
         trust_recorded_model: import a recorded class from outside the installed packages
-            (see :func:`~dynamics.rebuild.rebuild_module`).
+            (see :func:`~dynamics.model.rebuild.rebuild_module`).
 
     Raises:
         ParameterError: a setting that cannot work, before anything is read

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from dynamics.analysis.pages.page import html_table
-from dynamics.bias_audit_result import AuditResult
+from dynamics.bias.audit_result import AuditResult
 
 __all__ = ["bias_audit_html"]
 
