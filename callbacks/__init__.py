@@ -8,7 +8,13 @@ from dynamics.callbacks.bias_audit import BiasAudit
 from dynamics.callbacks.bias_component import BiasComponent
 from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.gradient_plane import GradientPlane
+from dynamics.callbacks.hessian_density import HessianDensity
+from dynamics.callbacks.hessian_eigenspace_overlap import EigenspaceOverlap
+from dynamics.callbacks.hessian_gradient_share import GradientShare
+from dynamics.callbacks.hessian_measurement import HessianMeasurement
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
+from dynamics.callbacks.hessian_trace import HessianTrace
+from dynamics.callbacks.hessian_vectors import EigenvectorSnapshots
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.init_biases import InitBiases
 from dynamics.callbacks.logged_metrics import LoggedMetrics
@@ -24,8 +30,14 @@ __all__ = [
     "BiasAudit",
     "BiasComponent",
     "DynamicsRecorder",
+    "EigenspaceOverlap",
+    "EigenvectorSnapshots",
     "GradientPlane",
+    "GradientShare",
+    "HessianDensity",
+    "HessianMeasurement",
     "HessianSpectrum",
+    "HessianTrace",
     "HiddenStateNorms",
     "InitBiases",
     "LoggedMetrics",

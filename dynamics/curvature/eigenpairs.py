@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,3 +29,19 @@ class Eigenpairs:
     n_hvp: int
     converged: bool | None
     restarted: bool = False
+
+    def top(self, k: int) -> Eigenpairs:
+        """The first ``k`` pairs (a tracking solve's result without its guards).
+
+        Example::
+
+            pairs = top_eigenvalues(loss, params, k=5, solver="tracking")
+            pairs.top(5).eigenvalues  # the five asked for; pairs itself also holds two guards
+        """
+        residuals = None if self.residuals is None else self.residuals[:k]
+        return replace(
+            self,
+            eigenvalues=self.eigenvalues[:k],
+            eigenvectors=self.eigenvectors[:k],
+            residuals=residuals,
+        )

@@ -7,6 +7,7 @@ import torch
 from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.krylov import KrylovBasis, random_vectors
 from dynamics.curvature.operator import LinearOperator
+from dynamics.curvature.problem import HessianProblem
 
 
 def lanczos(
@@ -100,6 +101,29 @@ def lanczos(
         residuals=residuals[top],
         n_hvp=basis.n_hvp,
         converged=converged or basis.m == n,
+    )
+
+
+def solve_lanczos(
+    problem: HessianProblem,
+    k: int,
+    tol: float,
+    *,
+    max_hvp: int,
+    previous: torch.Tensor | None,
+    basis_size: int | None,
+    seed: int,
+) -> Eigenpairs:
+    """The ``"lanczos"`` entry of the solver table: :func:`lanczos`, warm-started from
+    ``previous`` (earlier eigenvectors) when given."""
+    return lanczos(
+        problem.operator,
+        k,
+        tol,
+        max_hvp=max_hvp,
+        basis_size=basis_size,
+        warm_start=previous,
+        seed=seed,
     )
 
 

@@ -23,7 +23,13 @@ import torch
 from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.krylov import project_off
 from dynamics.curvature.operator import LinearOperator
+from dynamics.curvature.problem import HessianProblem
 from dynamics.curvature.restarted_lanczos import lanczos
+
+#: Eigenvectors beyond the top k that the tracking solver carries along: without them the k-th
+#: pair of a cluster converges at the rate of its gap to the (k+1)-th eigenvalue, which on the
+#: teacher–student model left most records to the cold restart.
+GUARDS = 2
 
 
 def track_eigenpairs(
@@ -123,6 +129,34 @@ def track_eigenpairs(
         m + cold.n_hvp,
         cold.converged,
         restarted=True,
+    )
+
+
+def solve_tracking(
+    problem: HessianProblem,
+    k: int,
+    tol: float,
+    *,
+    max_hvp: int,
+    previous: torch.Tensor | None,
+    basis_size: int | None,
+    seed: int,
+) -> Eigenpairs:
+    """The ``"tracking"`` entry of the solver table: the top ``k`` pairs and :data:`GUARDS`
+    guards (``k + GUARDS`` pairs, capped at the operator's size), refined from ``previous`` by
+    :func:`track_eigenpairs`.
+
+    ``previous`` must be the ``eigenvectors`` of an earlier tracking result (``k + GUARDS``
+    rows); without it, or with another number of rows, the solve is a cold Lanczos of
+    ``k + GUARDS`` pairs, whose vectors the next solve then tracks. ``basis_size`` is the most
+    basis vectors before a tracked solve gives up and restarts cold.
+    """
+    operator = problem.operator
+    width = min(k + GUARDS, operator.size)
+    if previous is None or len(previous) != width:
+        return lanczos(operator, width, tol, max_hvp=max_hvp, seed=seed)
+    return track_eigenpairs(
+        operator, previous, tol, k=k, max_basis=basis_size, max_hvp=max_hvp, seed=seed
     )
 
 
