@@ -4,6 +4,7 @@
 ``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
 """
 
+from dynamics.callbacks.activation_bias import ActivationBias
 from dynamics.callbacks.bias_audit import BiasAudit
 from dynamics.callbacks.bias_component import BiasComponent
 from dynamics.callbacks.check import check_probe
@@ -25,8 +26,10 @@ from dynamics.callbacks.recorder import DynamicsRecorder
 from dynamics.callbacks.shift_activations import ShiftActivations
 from dynamics.callbacks.training_loss import TrainingLoss
 from dynamics.callbacks.trajectory_geometry import TrajectoryGeometry
+from dynamics.callbacks.unit_health import UnitHealth
 
 __all__ = [
+    "ActivationBias",
     "BiasAudit",
     "BiasComponent",
     "DynamicsRecorder",
@@ -49,5 +52,6 @@ __all__ = [
     "ShiftActivations",
     "TrainingLoss",
     "TrajectoryGeometry",
+    "UnitHealth",
     "check_probe",
 ]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dynamics.callbacks.hidden_state_norms import kind_dim
+from dynamics.callbacks.output_axes import kind_dim
 from dynamics.callbacks.probe import (
     Probe,
     ProbeUnavailable,
