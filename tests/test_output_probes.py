@@ -1,6 +1,7 @@
-"""HiddenStateNorms, ActivationBias and UnitHealth: the two split-off probes, each alone beside
+"""The probes split off for one job each: ActivationBias and UnitHealth, each alone beside
 HiddenStateNorms(activations=False), record exactly what HiddenStateNorms(unit_health=True) did
-in its one probe, under the same group names; ActivationBias steps aside with nothing to hook."""
+in its one probe, under the same group names; ActivationBias steps aside with nothing to hook;
+they and HessianSpectrum with every measurement keep the probe contract (check_probe)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,19 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.callbacks import ActivationBias, DynamicsRecorder, HiddenStateNorms, UnitHealth
+from dynamics.callbacks import (
+    ActivationBias,
+    DynamicsRecorder,
+    EigenspaceOverlap,
+    EigenvectorSnapshots,
+    GradientShare,
+    HessianDensity,
+    HessianSpectrum,
+    HessianTrace,
+    HiddenStateNorms,
+    UnitHealth,
+    check_probe,
+)
 
 
 class Net(pl.LightningModule):
@@ -82,3 +95,29 @@ def test_activation_bias_steps_aside_with_no_activation_module(tmp_path, quiet_t
     run = open_run(tmp_path / "run.h5")
     assert run.recorded("activation_bias") is None
     assert any("found no activation module" in e.message for e in run.events())
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [
+        ActivationBias(),
+        UnitHealth(),
+        HessianSpectrum(
+            k=2,
+            every_n_steps=2,
+            measurements=[
+                HessianTrace(6),
+                GradientShare(),
+                HessianDensity(2, 4),
+                EigenspaceOverlap(),
+                EigenvectorSnapshots(budget_mb=1),
+            ],
+        ),
+    ],
+    ids=lambda probe: type(probe).__name__,
+)
+def test_the_new_probes_and_measurements_keep_the_contract(small_cnn, probe):
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,)))
+    series = check_probe(probe, small_cnn(), batch, steps=3)
+    assert all(len(rows) for rows in series.values())
