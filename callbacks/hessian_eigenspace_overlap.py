@@ -10,10 +10,10 @@ import torch
 
 from dynamics.callbacks.hessian_measurement import HessianMeasurement, SpectrumRow
 from dynamics.callbacks.probe import SeriesSpec
-from dynamics.params import flatten
+from dynamics.geometry.subspace_overlap import subspace_overlap, update_share
+from dynamics.params.vectors import flatten
 from dynamics.store import names
 from dynamics.store.views import standard_view
-from dynamics.subspace_overlap import subspace_overlap, update_share
 
 
 class EigenspaceOverlap(HessianMeasurement):

@@ -4,7 +4,7 @@ shared Hessian operator and eigenpairs, declared and stored under the probe's ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -13,8 +13,17 @@ from dynamics.curvature import Eigenpairs, HessianOperator
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-    from dynamics.callbacks.hessian_spectrum import HessianSpectrum
     from dynamics.callbacks.probe import SeriesSpec
+
+
+class SpectrumProbe(Protocol):
+    """What a measurement may read of its ``HessianSpectrum`` at setup."""
+
+    k: int
+    size: int  # trainable parameters
+    every_n_steps: int
+
+    def note(self, step: int, message: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class HessianMeasurement:
         raise NotImplementedError
 
     def setup(
-        self, probe: HessianSpectrum, trainer: pl.Trainer, pl_module: pl.LightningModule
+        self, probe: SpectrumProbe, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> None:
         """Called from the probe's setup, once its parameters are known (``probe.size``)."""
 

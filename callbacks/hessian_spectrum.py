@@ -30,8 +30,8 @@ from dynamics.curvature import (
 )
 from dynamics.curvature.subspace_tracking import GUARDS
 from dynamics.errors import ParameterError
-from dynamics.isolation import Mode, side_effect_free
-from dynamics.loss_rule import loss_at
+from dynamics.passes.isolation import Mode, side_effect_free
+from dynamics.passes.loss_rule import loss_at
 from dynamics.store import View, names
 from dynamics.store.views import standard_view
 
@@ -47,7 +47,7 @@ class HessianSpectrum(Probe):
 
     The loss comes from the module's own loss rule, measured with the module in ``mode``,
     autocast off and the parameters in float32 (float64 for a float64 model), inside
-    :func:`~dynamics.isolation.side_effect_free`; under DDP every product is averaged across
+    :func:`~dynamics.passes.isolation.side_effect_free`; under DDP every product is averaged across
     ranks. What each series means, the solvers' accuracy, cost and pitfalls:
     ``docs/probes/hessian_spectrum.md``.
 
@@ -65,7 +65,7 @@ class HessianSpectrum(Probe):
         warm_start: pass each row's solver the previous row's eigenvectors (kept in
             checkpoints, so a resumed fit's rows equal an uninterrupted one's).
         seed: seed of the random start vectors (the global RNG is never used).
-        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
+        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.passes.isolation.Mode` of the module
             while its Hessian is measured.
         solver: a name of :data:`~dynamics.curvature.solvers.SOLVERS` that reports residuals:
             ``"lanczos"`` (default), ``"tracking"`` or ``"power"``.

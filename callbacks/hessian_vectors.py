@@ -5,14 +5,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from dynamics.callbacks.hessian_measurement import HessianMeasurement, SpectrumRow
+from dynamics.callbacks.hessian_measurement import HessianMeasurement, SpectrumProbe, SpectrumRow
 from dynamics.callbacks.probe import SeriesSpec, expected_steps
 from dynamics.store import names
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-    from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 
 
 class EigenvectorSnapshots(HessianMeasurement):
@@ -31,13 +29,13 @@ class EigenvectorSnapshots(HessianMeasurement):
         self.period = 0  # steps between stored eigenvectors; 0: none
 
     def setup(
-        self, probe: HessianSpectrum, trainer: pl.Trainer, pl_module: pl.LightningModule
+        self, probe: SpectrumProbe, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> None:
         self.period, reason = self._plan(probe, expected_steps(trainer, pl_module))
         if reason:
             probe.note(getattr(trainer, "global_step", 0), f"{reason}: no eigenvectors stored")
 
-    def _plan(self, probe: HessianSpectrum, steps: float) -> tuple[int, str]:
+    def _plan(self, probe: SpectrumProbe, steps: float) -> tuple[int, str]:
         """Steps between stored eigenvectors (0: none) and, when none fit, why."""
         if self.budget_mb <= 0:
             return 0, ""

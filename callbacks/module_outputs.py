@@ -14,7 +14,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from dynamics import world
-from dynamics.activations import ShiftedActivation, expected_shift
+from dynamics.bias.activations import ShiftedActivation, expected_shift
 from dynamics.callbacks.output_axes import (
     ASSUMED,
     TWO_D_ONLY,
@@ -47,9 +47,9 @@ from dynamics.callbacks.unit_kinds import (
     unit_kind,
 )
 from dynamics.callbacks.unit_kinds import VIEWS as UNIT_VIEWS
-from dynamics.isolation import in_extra_pass, side_effect_free
-from dynamics.loss_rule import module_loss
-from dynamics.name_globs import glob_any, glob_match, matched
+from dynamics.params.globs import glob_any, glob_match, matched
+from dynamics.passes.isolation import in_extra_pass, side_effect_free
+from dynamics.passes.loss_rule import module_loss
 from dynamics.store import names
 from dynamics.store.views import standard_view
 from dynamics.world import Reduce, checked_reduce

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.conv import _ConvNd
 
-from dynamics.activations import ACTIVATIONS, ShiftedActivation, is_hf_activation
-from dynamics.name_globs import glob_any
+from dynamics.bias.activations import ACTIVATIONS, ShiftedActivation, is_hf_activation
+from dynamics.params.globs import glob_any
 
 #: Module types whose output is a post-activation, for the activation-bias series.
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
@@ -88,9 +88,7 @@ def choose_modules(
     stacks = [
         (n, kids)
         for n, kids in stacks
-        if len(kids) >= 2
-        and len({type(k) for _, k in kids}) == 1
-        and not is_activation(kids[0][1])
+        if len(kids) >= 2 and len({type(k) for _, k in kids}) == 1 and not is_activation(kids[0][1])
     ]
     if stacks:
         prefix, kids = max(stacks, key=lambda s: len(s[1]))

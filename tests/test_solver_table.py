@@ -16,7 +16,7 @@ from torch import nn
 from dynamics.callbacks import HessianSpectrum
 from dynamics.curvature import SOLVERS, Eigenpairs, HessianProblem, Solver, top_eigenvalues
 from dynamics.errors import ParameterError
-from dynamics.params import flatten
+from dynamics.params.vectors import flatten
 
 
 def _problem():

@@ -14,7 +14,7 @@ from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.problem import HessianProblem
 from dynamics.curvature.solvers import Solver, solver
 from dynamics.errors import ParameterError
-from dynamics.isolation import side_effect_free
+from dynamics.passes.isolation import side_effect_free
 
 
 def top_eigenvalues(
@@ -63,7 +63,8 @@ def top_eigenvalues(
             solver's default.
         seed: seed of the random start vectors (the global RNG is not used).
         module: the module ``loss_fn`` runs through; if given, the computation runs inside
-            :func:`~dynamics.isolation.side_effect_free`, so dropout draws, BatchNorm buffers and
+            :func:`~dynamics.passes.isolation.side_effect_free`, so dropout draws, BatchNorm buffers
+            and
             train/eval flags are as before. ``.grad`` is never changed, module or not.
         average_across_ranks: take the Hessian of the loss averaged over the ranks of the
             initialised ``torch.distributed`` group (every rank must call this).
