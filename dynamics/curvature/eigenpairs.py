@@ -11,6 +11,11 @@ import torch
 class Eigenpairs:
     """Top-k eigenpairs of a symmetric operator, largest first.
 
+    Example::
+
+        pairs = top_eigenvalues(loss, params, k=3)
+        pairs.eigenvalues, pairs.residuals, pairs.converged
+
     Attributes:
         eigenvalues: shape ``(k,)``, float64 on the CPU.
         eigenvectors: shape ``(k, n)``, orthonormal rows, the operator's dtype and device.

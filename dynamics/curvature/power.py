@@ -27,6 +27,10 @@ def power_iteration(
     reported. Convergence is geometric in ``|λ_{i+1}/λ_i|``, so close eigenvalues cost many
     products; that is why this exists only for comparison.
 
+    Example::
+
+        power_iteration(HessianOperator(loss, params), k=2, tol=1e-6, max_hvp=2000)
+
     Args:
         operator: symmetric operator.
         k: how many eigenpairs.

@@ -32,6 +32,10 @@ def pyhessian_eigenpairs(
     parameters' dtype. The products it makes are counted with a gradient hook on the first
     parameter (one call per product, plus one for its initial gradient).
 
+    Example::
+
+        pyhessian_eigenpairs(lambda: F.mse_loss(model(x), y), list(model.parameters()), k=2)
+
     Args:
         loss_fn: zero-argument closure returning the scalar loss, computed through ``params``.
         params: the tensors the Hessian is taken with respect to.

@@ -34,6 +34,12 @@ def lanczos(
     left — until a fresh block has ``k`` vectors, or turns invariant with every eigenvalue below
     the ``k``-th found so far.
 
+    Example::
+
+        operator = HessianOperator(lambda: F.mse_loss(model(x), y), list(model.parameters()))
+        pairs = lanczos(operator, k=5, tol=1e-6)
+        again = lanczos(operator, k=5, warm_start=pairs.eigenvectors)  # fewer products
+
     Args:
         operator: symmetric operator (e.g. :class:`~dynamics.curvature.HessianOperator`).
         k: how many eigenpairs, at most ``operator.size``.

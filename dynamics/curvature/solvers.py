@@ -46,6 +46,10 @@ class Solver:
     """One entry of :data:`SOLVERS`: the function and what it can do, so that callers check
     arguments against the entry instead of against a list of names.
 
+    Example::
+
+        SOLVERS["dense"] = Solver(solve_dense, "dense eigh, for tiny models", uses_previous=False)
+
     Attributes:
         solve: the function.
         summary: one line for error messages and the docs.

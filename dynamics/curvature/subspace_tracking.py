@@ -54,6 +54,11 @@ def track_eigenpairs(
     the basis reaches ``max_basis`` vectors first, the tracked subspace is judged lost and a
     cold Lanczos from a random vector (``seed``) answers instead, its products counted too.
 
+    Example::
+
+        first = lanczos(operator, k=5)  # the top 3 and two guards
+        next_pairs = track_eigenpairs(later_operator, first.eigenvectors, tol=1e-4, k=3)
+
     Args:
         operator: symmetric operator.
         previous: ``(k + guards, n)`` rows, e.g. the eigenvectors of the previous record; need
