@@ -28,11 +28,8 @@ def lanczos(
     operator's dtype) are held to that absolute floor instead, as ARPACK does, so that
     (near-)zero eigenvalues can converge.
 
-    Repeated eigenvalues: the Krylov space of one vector holds one copy of each. When it becomes
-    invariant (the residual vanishes) before the whole space is spanned, the search goes on from
-    a random vector orthogonal to it — a fresh block, which holds one copy of each eigenvalue
-    left — until a fresh block has ``k`` vectors, or turns invariant with every eigenvalue below
-    the ``k``-th found so far.
+    Repeated eigenvalues are found by fresh blocks (``docs/curvature.md``, "Repeated
+    eigenvalues").
 
     Example::
 

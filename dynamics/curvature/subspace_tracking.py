@@ -1,19 +1,6 @@
-"""Top-k eigenpairs tracked from an earlier subspace: block Rayleigh–Ritz with residual expansion.
-
-During training the top Hessian eigenvectors move little between two records, so the previous
-record's Ritz vectors are already close to the new ones. Rayleigh–Ritz on their span costs one
-product per vector; each Ritz pair whose residual ``‖H v − θ v‖`` is still too large adds its
-residual direction to the basis (unpreconditioned Davidson — a block Krylov space grown only
-where it is needed), and Rayleigh–Ritz is repeated on the larger basis. Every product of a basis
-vector is kept, so ``H v`` of each Ritz vector, and hence its residual, costs nothing more: the
-residual reported is the true one, up to rounding.
-
-A residual certifies that ``θ`` is within ``‖r‖`` of *some* eigenvalue, not that the pairs are
-the *top* k: an eigenvalue whose eigenvector is orthogonal to everything tracked is invisible
-to the residual test. A cold (random-start) Lanczos can see it; that is why the tracking solver
-restarts cold when its residuals do not converge within its budget (the spectrum changed too
-much to track). Whether tracked pairs are the top k is therefore checked outside, against a
-cold Lanczos at every record (``benchmarks/bench_hessian.py``).
+"""Top-k eigenpairs tracked from an earlier subspace: block Rayleigh–Ritz with residual expansion
+(unpreconditioned Davidson). How it works, why guards, and what its residuals certify (not that
+the pairs are the top k): ``docs/curvature.md``, "Tracking the top-k during training".
 """
 
 from __future__ import annotations
@@ -44,10 +31,6 @@ def track_eigenpairs(
 ) -> Eigenpairs:
     """The ``len(previous)`` largest eigenpairs, refined from the rows of ``previous``, of which
     the top ``k`` are held to ``tol``; the rest are guards.
-
-    Guards are what makes tracking a cluster work: the ``k``-th pair converges at a rate set
-    by its gap to the next eigenvalue *outside* the basis, so carrying approximations of the
-    next few eigenvectors along widens that gap.
 
     Stops when every one of the top ``k`` pairs has ``‖H v − θ v‖ ≤ tol·|θ|`` (the residual rule of
     :func:`~dynamics.curvature.lanczos`, with the same floor for near-zero eigenvalues). When
