@@ -1,25 +1,6 @@
 """Dead, saturated and non-finite units of a recorded output: what each activation's flat
-regions are, and the few device ops that count them without a host sync.
-
-**Dead** (the ReLU family: ``nn.ReLU``, ``nn.ReLU6`` and ``ShiftedActivation`` of ``relu`` with a
-fixed shift): a unit is dead on a batch when its output equals the activation's flat value (0,
-or −c once shifted by c) for every sample — and, for sequences and images, at every position.
-That value is the activation's minimum, so the test is one max over the batch: exact, no
-threshold.
-
-**Saturated** (``nn.Sigmoid``, ``nn.Tanh``, ``nn.Hardsigmoid``, ``nn.Hardtanh`` and
-``ShiftedActivation`` of ``sigmoid``/``tanh`` with a fixed shift): a unit is saturated on a
-batch when every sample's output lies within :data:`SATURATION_TOLERANCE` of a bound (either
-bound: its gradient vanishes for every sample either way).
-
-Activations without an exact flat region — GELU, SiLU, ELU, LeakyReLU, PReLU, SELU, CELU,
-Mish, Softplus, Hardswish, a user's own — get neither: GELU, for one, is exactly 0 only at 0,
-and any threshold for "nearly dead" would be a number chosen here rather than measured. So is
-an adaptive ``ShiftedActivation``, whose flat value moves with each sample's mean.
-
-**Non-finite**: the fraction of NaN and ±inf entries of every recorded output, counted in float
-arithmetic (x − x is 0 exactly for finite x and NaN otherwise), since bool reductions cost
-several times more on CPU.
+regions are, and the few device ops that count them without a host sync. Which activations have
+which, and why GELU has neither: ``docs/probes/unit_health.md``.
 """
 
 from __future__ import annotations
