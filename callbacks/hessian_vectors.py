@@ -43,7 +43,7 @@ class EigenvectorSnapshots(HessianMeasurement):
         capacity = int(self.budget_mb * 2**20 // each)
         if capacity < 2:
             return 0, (
-                f"vector_budget_mb={self.budget_mb:g} holds fewer than 2 records of "
+                f"an eigenvector budget of {self.budget_mb:g} MiB holds fewer than 2 records of "
                 f"{probe.k} eigenvectors of {probe.size:,} parameters ({each / 2**20:.1f} MiB each)"
             )
         if not 0 < steps < math.inf:  # Lightning answers -1 for an unknown length
