@@ -115,10 +115,15 @@ class HessianSpectrum(Probe):
         self.max_basis = max_basis
         self.cold_every = cold_every
         self.measurements = [*_from_shorthands(shorthands), *measurements]
+        kinds = [type(m) for m in self.measurements]
         for measurement in self.measurements:
             if not isinstance(measurement, HessianMeasurement):
                 raise ParameterError(
                     "measurements", f"must hold HessianMeasurement objects, got {measurement!r}"
+                )
+            if kinds.count(type(measurement)) > 1:  # their series (and state) would collide
+                raise ParameterError(
+                    "measurements", f"hold {type(measurement).__name__} more than once"
                 )
         self.size = 0  # trainable parameters, known at setup
         self._loss = ProbeLoss("HessianSpectrum", mode, batch)

@@ -106,5 +106,7 @@ def test_bad_measurements_are_refused_by_name() -> None:
         HessianSpectrum(trace_hvp=3)
     with pytest.raises(ParameterError, match="^measurements must hold HessianMeasurement"):
         HessianSpectrum(measurements=["trace"])
+    with pytest.raises(ParameterError, match="^measurements hold HessianTrace more than once"):
+        HessianSpectrum(measurements=[HessianTrace(8), HessianTrace(16)])
     with pytest.raises(TypeError, match="unexpected keyword argument 'trace'"):
         HessianSpectrum(trace=60)
