@@ -120,3 +120,29 @@ def test_a_solver_added_as_one_table_entry_is_reachable_from_both(monkeypatch) -
     assert row["n_hvp"] == sum(p.numel() for p in params)
     assert probe.settings()["solver"] == "dense"
     assert isinstance(HessianProblem(loss, params).operator.size, int)
+
+
+def test_the_probe_takes_the_table_names_that_report_residuals() -> None:
+    model, _, params, _ = _problem()
+    torch.manual_seed(1)
+    batch = (torch.randn(40, 5, dtype=torch.float64), torch.randn(40, 2, dtype=torch.float64))
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, _):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+    module = Module()
+    loss = lambda: F.mse_loss(model(batch[0]), batch[1])  # noqa: E731
+    reference = top_eigenvalues(loss, params, k=2, tol=1e-10, max_hvp=3000)
+    for name in ("lanczos", "tracking", "power"):
+        probe = HessianSpectrum(k=2, tol=1e-10, max_hvp=3000, batch=batch, solver=name)
+        probe.setup(SimpleNamespace(strategy=None), module, None)
+        row = probe.measure(module, 0)
+        np.testing.assert_allclose(
+            row["eigenvalues"], reference.eigenvalues.float(), rtol=1e-5, err_msg=name
+        )
+        assert row["converged"] == 1 and probe.settings()["solver"] == name
