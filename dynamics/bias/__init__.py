@@ -4,8 +4,7 @@ The names load on first use: the audit's result (:mod:`dynamics.bias.audit_resul
 torch-free, so that a report of a recorded audit never imports torch.
 """
 
-import importlib
-from typing import Any
+from dynamics.exports import lazy_exports
 
 _HOMES = {
     "audit": "dynamics.bias.audit",
@@ -20,14 +19,4 @@ _HOMES = {
     "Origin": "dynamics.bias.audit_result",
     "ParameterCount": "dynamics.bias.audit_result",
 }
-__all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'dynamics.bias' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
