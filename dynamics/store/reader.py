@@ -76,7 +76,7 @@ class Series:
     def __getitem__(self, name: str) -> np.ndarray:
         return self.values[name]
 
-    # --- pandas and xarray (optional: pip install 'dynamics[notebook]') ---
+    # --- pandas and xarray (optional: pip install 'dynamics-for-pytorch[notebook]') ---
 
     def to_pandas(self, long: bool = False) -> pd.DataFrame:
         """The rows as a pandas DataFrame.
@@ -640,7 +640,7 @@ class Run:
             },
         }
 
-    # --- xarray (optional: pip install 'dynamics[notebook]') ---
+    # --- xarray (optional: pip install 'dynamics-for-pytorch[notebook]') ---
 
     def to_xarray(self, groups: list[str] | None = None) -> xr.DataTree:
         """The run's series as an xarray DataTree: one node per group, each the Dataset of
