@@ -2,11 +2,10 @@
 
 A :class:`LossSurface` holds one module and one in-memory batch and answers "what is the loss at
 this parameter vector?". :func:`evaluate_grid` asks it at every point θ0 + a·u + b·v of a
-:class:`~dynamics.geometry.plane.Grid`, row chunk by row chunk, optionally split across the ranks of
-a
-torch.distributed process group. :func:`trajectory` puts a run's checkpoints on a plane with the
-loss there. Core, so that both the offline ``dynamics plane`` and a probe evaluating at the end
-of fit (``GradientPlane(at_end=True)``) use the same code.
+:class:`~dynamics.geometry.plane.Grid`, row chunk by row chunk, optionally split across the
+ranks of a torch.distributed process group. :func:`trajectory` puts a run's checkpoints on a
+plane with the loss there. Core, so that both the offline ``dynamics plane`` and a probe
+evaluating at the end of fit (``GradientPlane(at_end=True)``) use the same code.
 """
 
 from __future__ import annotations
