@@ -24,6 +24,10 @@ def available_bytes() -> int:
 def check_fits(what: str, needed_bytes: float) -> None:
     """Refuse ``what`` when it needs more than the available memory.
 
+    Example::
+
+        check_fits("the 41×41 grid", 8 * 41 * 41 * n_parameters)  # DynamicsError if it cannot
+
     Args:
         what: what needs the memory, as the message's subject (e.g. ``"--grid 100000"``).
         needed_bytes: a lower bound of what it needs (a lower bound never refuses a job that
@@ -41,5 +45,10 @@ def check_fits(what: str, needed_bytes: float) -> None:
 
 
 def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    """The CPU cores this process may run on (its affinity mask, where the OS has one).
+
+    Example::
+
+        processes = min(jobs, available_cores())
+    """
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

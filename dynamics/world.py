@@ -27,7 +27,13 @@ def is_distributed() -> bool:
 
 
 def rank() -> int:
-    """This process's global rank (0 outside a process group)."""
+    """This process's global rank (0 outside a process group).
+
+    Example::
+
+        if rank() == 0:
+            print("written by rank zero")
+    """
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -44,6 +50,10 @@ def all_reduce(tensors: Sequence[torch.Tensor], op: ReduceOp = "sum") -> list[to
     dtypes; the inputs are left as they were. No host sync: on a GPU the collective is queued on
     the device like any kernel. Every rank must call it with tensors of the same shapes.
     In a single process the tensors are returned as they are.
+
+    Example::
+
+        total, count = all_reduce([loss_sum, n])  # one collective; a no-op on one process
     """
     if op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}")
@@ -67,6 +77,10 @@ def gather_to_zero(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     """Every rank's ``tensor`` (same shape on each), in rank order, on rank zero; None elsewhere.
 
     Gathered with ``all_gather``, which every backend (gloo, NCCL) implements for any shape.
+
+    Example::
+
+        rows = gather_to_zero(local_rows)  # a list on rank zero, None elsewhere
     """
     if not is_distributed():
         return [tensor.clone()]

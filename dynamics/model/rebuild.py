@@ -135,6 +135,11 @@ def rebuild_module(
 ) -> nn.Module:
     """The run's model at θ0, with θ0's buffers.
 
+    Example::
+
+        model = rebuild_module(open_run("runs/demo/shifted.h5"))  # at θ0, with θ0's buffers
+        model = rebuild_module(run, model="train.py:MyNet", init_args={"width": 64})
+
     Args:
         run: the run file.
         model: what to build instead of importing the recorded class: ``"pkg.module:name"``
@@ -213,6 +218,10 @@ def _missing_init_args(
 def build_module(model: str, init_args: Mapping[str, Any] | None = None) -> nn.Module:
     """The module that the class or factory ``model`` (``pkg.module:name`` or
     ``path/to/file.py:name``, as ``--model``) builds from ``init_args``.
+
+    Example::
+
+        build_module("pkg.models:MyNet", {"width": 64})
 
     Raises:
         DynamicsError: it cannot be imported or called, or returns no ``torch.nn.Module``.

@@ -50,7 +50,12 @@ class ParameterGroups:
 
 def is_bias(name: str) -> bool:
     """Whether a parameter's own name names a bias: ``bias``, ``bias_*`` (LSTM/GRU
-    ``bias_ih_l0``, attention's ``bias_k``) or ``*_bias`` (attention's ``in_proj_bias``)."""
+    ``bias_ih_l0``, attention's ``bias_k``) or ``*_bias`` (attention's ``in_proj_bias``).
+
+    Example::
+
+        is_bias("bias"), is_bias("bias_ih_l0"), is_bias("weight")  # True, True, False
+    """
     return name == "bias" or name.startswith("bias_") or name.endswith("_bias")
 
 
@@ -65,6 +70,12 @@ def group_parameters(
     module: nn.Module, groups: Grouping | Mapping[str, Sequence[str]] = "kind"
 ) -> ParameterGroups:
     """The groups of ``module``'s trainable parameters.
+
+    Example::
+
+        groups = group_parameters(model)  # bias, weight, normalization
+        groups.members("bias")
+        group_parameters(model, {"attn": ["**.attn.**"]}).names  # "attn", and "other" for the rest
 
     Args:
         module: the model.

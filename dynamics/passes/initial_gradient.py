@@ -22,6 +22,10 @@ def initial_gradient(
     process group every rank must call this; the result is the average of the ranks' gradients,
     as data-parallel training would apply.
 
+    Example::
+
+        g0 = initial_gradient(module, batch, ParameterLayout.of(module))
+
     Args:
         module: the model.
         batch: the batch the loss is taken on, on the module's device.

@@ -51,6 +51,10 @@ def loss_source(module: nn.Module) -> LossSource:
 def module_loss(module: nn.Module, batch: Any, batch_idx: int = 0) -> torch.Tensor:
     """The scalar training loss of ``module`` on ``batch``, by the rule above.
 
+    Example::
+
+        loss = module_loss(module, batch)  # dynamics_loss(batch), else training_step's loss
+
     Raises:
         LossUnavailable: if :func:`loss_source` finds no loss the rule may take.
         TypeError: if the loss found is not a scalar tensor (from ``training_step``: neither a
