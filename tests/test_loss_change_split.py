@@ -507,8 +507,10 @@ def test_a_resumed_fit_continues_the_same_rows_and_cumulative_share(tmp_path, qu
 
 
 def test_the_docs_yaml_builds_the_probe() -> None:
-    page = Path(__file__).resolve().parents[1] / "docs" / "probes" / "loss_change_split.md"
-    [config] = yaml.safe_load(page.read_text().split("```yaml")[1].split("```")[0])
+    page = Path(__file__).resolve().parents[1] / "docs" / "recording.md"
+    config = yaml.safe_load(page.read_text().split("```yaml")[1].split("```")[0])
+    [recorder] = config["trainer"]["callbacks"]
+    config = recorder["init_args"]["probes"][-1]
     assert config["class_path"] == "dynamics.callbacks.LossChangeSplit"
     probe = LossChangeSplit(**config["init_args"])
     assert probe.every_n_steps == 10 and probe.groups == "kind"
