@@ -10,7 +10,12 @@ from dynamics.errors import DynamicsError
 
 def available_bytes() -> int:
     """The memory available to a new allocation: Linux's ``MemAvailable`` (free memory plus
-    caches it can drop), else the physical memory."""
+    caches it can drop), else the physical memory.
+
+    Example::
+
+        available_bytes() // 2**20  # MiB this process may still allocate
+    """
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:

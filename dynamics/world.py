@@ -38,7 +38,12 @@ def rank() -> int:
 
 
 def world_size() -> int:
-    """How many processes share the default process group (1 outside one)."""
+    """How many processes share the default process group (1 outside one).
+
+    Example::
+
+        global_batch = world_size() * local_batch
+    """
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -66,7 +71,12 @@ def all_reduce(tensors: Sequence[torch.Tensor], op: ReduceOp = "sum") -> list[to
 
 
 def average(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` averaged over every rank, in place (the data-parallel mean of a gradient)."""
+    """``tensor`` averaged over every rank, in place (the data-parallel mean of a gradient).
+
+    Example::
+
+        average(gradient)  # in place: the mean over ranks, as DDP's step applies
+    """
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         tensor /= dist.get_world_size()

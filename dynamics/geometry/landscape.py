@@ -347,6 +347,11 @@ def trajectory(
     """Checkpoints θt on a plane: coordinates, the loss at θt and at its projection.
 
     Without a ``surface`` (no model to evaluate) the losses are NaN.
+
+    Example::
+
+        path = trajectory("shifted", plane, steps, thetas, surface)
+        path.a, path.b, path.loss
     """
     a, b, r = project(plane, thetas)
     if surface is None:

@@ -189,6 +189,10 @@ def plane_from_gradient_and_endpoints(
     Gram–Schmidt-orthogonalized against u, then normalized, so the plane still separates where
     the two runs went.
 
+    Example::
+
+        plane = plane_from_gradient_and_endpoints(theta0, g_a, theta_final_a, theta_final_b)
+
     Args:
         theta0: the shared initial parameters.
         g: the initial gradient (of either run).
@@ -236,6 +240,10 @@ def random_filter_normalized_plane(theta0: ArrayLike, layout: ParameterLayout, s
     the (a, b) coordinates of d1 and d2, so Li et al.'s coordinates (α, β), meaning
     θ0 + α·d1 + β·d2, are ``(a, b) = α·coords[0] + β·coords[1]``.
 
+    Example::
+
+        plane = random_filter_normalized_plane(theta0, ParameterLayout.of(model), seed=0)
+
     Args:
         theta0: the parameters the plane passes through and whose filter norms scale it.
         layout: the layout of ``theta0``.
@@ -277,6 +285,10 @@ def pca_plane(theta0: ArrayLike, snapshots: ArrayLike) -> Plane:
     scikit-learn's PCA is fitted to the displacements θt − θ0 (it centers them, as in Li et
     al. 2018's trajectory plots). Signs are chosen so that the last snapshot has a ≥ 0 and
     b ≥ 0.
+
+    Example::
+
+        plane = pca_plane(run.vector("theta0"), np.stack([s.theta for s in run.stored_states()]))
 
     Args:
         theta0: the run's initial parameters.
@@ -359,7 +371,12 @@ def project(plane: Plane, thetas: ArrayLike) -> tuple[np.ndarray, np.ndarray, np
 
 def in_plane_shares(a: ArrayLike, b: ArrayLike, r: ArrayLike) -> np.ndarray:
     """The share (a² + b²)/(a² + b² + r²) of each displacement inside the plane, from the
-    coordinates :func:`project` gives; NaN where θ = θ0."""
+    coordinates :func:`project` gives; NaN where θ = θ0.
+
+    Example::
+
+        shares = in_plane_shares(*project(plane, snapshots))  # (a² + b²) / ‖θt − θ0‖² per θt
+    """
     a, b, r = (np.asarray(x, dtype=np.float64) for x in (a, b, r))
     inside = a * a + b * b
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -73,6 +73,11 @@ class RunInitArgs:
     for all would rebuild a run trained with other args (another label smoothing) as another
     loss, silently. The shared args still override recorded ones, and are all a factory gets
     besides the run's own.
+
+    Example::
+
+        init_args = RunInitArgs(shared={"width": 64}, by_run={"a.h5": {"label_smoothing": 0.1}})
+        model_a = rebuild_module(open_run("a.h5"), init_args=init_args.for_runs(["a.h5", "b.h5"]))
     """
 
     shared: Mapping[str, Any] = field(default_factory=dict)

@@ -32,6 +32,11 @@ OTHER = "other"
 class ParameterGroups:
     """Group names and, per trainable parameter (in ``named_parameters`` order), its group.
 
+    Example::
+
+        groups = group_parameters(model, "layer")
+        groups.names, groups.members(groups.names[0])
+
     Attributes:
         names: the groups that hold at least one parameter, in a stable order.
         parameters: the trainable parameters' names.

@@ -93,6 +93,11 @@ def loss_at(module: nn.Module, tensors: Mapping[str, torch.Tensor], batch: Any) 
     """:func:`module_loss` with some of ``module``'s parameters and buffers replaced, by name,
     by ``tensors`` (:func:`torch.func.functional_call`): the loss as a function of them, for
     extra passes that differentiate it or move along a direction without touching the module.
+
+    Example::
+
+        tensors = dict(zip(layout.names, layout.split(theta)))
+        loss = loss_at(module, tensors, batch)  # the module's own parameters untouched
     """
     prefixed = {f"module.{name}": tensor for name, tensor in tensors.items()}
     return functional_call(_LossOf(module), prefixed, (batch,))

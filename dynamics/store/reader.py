@@ -202,6 +202,11 @@ class Metric:
 class StoredState:
     """One state of the model a run stored: its parameters and, when recorded, its buffers.
 
+    Example::
+
+        state = run.stored_states()[-1]  # θT
+        state.step, state.source, state.theta.shape
+
     Attributes:
         step: optimizer steps taken before it (θ0: 0; θT: the run's steps).
         source: ``"theta0"``, ``"snapshot"`` or ``"theta_final"``.
