@@ -19,3 +19,10 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
 
 def test_the_readme_stays_short():
     assert len(README.read_text().splitlines()) <= 200
+
+
+def test_every_file_the_readme_links_exists():
+    targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text())
+    assert targets
+    missing = [target for target in targets if not (README.parent / target).is_file()]
+    assert missing == []
