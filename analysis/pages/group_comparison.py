@@ -75,12 +75,10 @@ def write_group_comparison(
     """Write the grouped comparison page: statistics, groups, per-seed comparability, bands.
 
     Args:
-        groups: the groups (:func:`~dynamics.analysis.measures.seed_groups.load_groups`); the first
-        is the
-            reference.
-        comparisons: their :func:`~dynamics.analysis.measures.seed_groups.compare_groups`, or None
-        to
-            compute them.
+        groups: the groups (:func:`~dynamics.analysis.measures.seed_groups.load_groups`);
+            the first is the reference.
+        comparisons: their :func:`~dynamics.analysis.measures.seed_groups.compare_groups`,
+            or None to compute them.
         out_path: the HTML file to write (atomically).
         overwrite: replace an existing output.
         static_dir: also export every figure into this folder.
