@@ -450,9 +450,9 @@ def crossover_steps(
 ) -> dict[str, Any]:
     """Per variant besides the baseline (the one whose setting is ``none``, else the first),
     the step of each seed after which it stays ahead of the baseline on held-out loss (the
-    grouped compare's "overtakes", :func:`dynamics.analysis.measures.seed_groups.overtaking_step`),
-    with
-    their statistics; a seed without one says why."""
+    grouped compare's "overtakes",
+    :func:`dynamics.analysis.measures.seed_groups.overtaking_step`), with their statistics; a
+    seed without one says why."""
     names = list(variants)
     baseline = next((n for n in names if variants[n] == "none"), names[0])
     crossover = {}
