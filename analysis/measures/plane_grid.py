@@ -215,7 +215,7 @@ def choose_plane(
             except CollinearGradients as error:
                 if kind == "gradients":
                     raise DynamicsError(
-                        f"{error}; the planes gradient-endpoints, pca and random still compare them"
+                        f"{error}; --plane gradient-endpoints, pca or random still compare them"
                     ) from None
                 collinear = error
             try:
