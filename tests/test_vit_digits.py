@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from dynamics.experiments.vit_digits import LabelledDigitsData, ViTDigitsModule, labelled_digits
-from dynamics.models import ViT
+from dynamics.experiments.vit_digits.data import LabelledDigitsData, labelled_digits
+from dynamics.experiments.vit_digits.model import ViT
+from dynamics.experiments.vit_digits.module import ViTDigitsModule
 from dynamics.rebuild import rebuild_module
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics

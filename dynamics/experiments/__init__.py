@@ -1,5 +1,6 @@
 """The experiments ``dynamics run`` trains (see ``registry``), with their modules and data."""
 
-from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+from dynamics.experiments.teacher_student.data import TeacherStudentData
+from dynamics.experiments.teacher_student.module import TeacherStudentModule
 
 __all__ = ["TeacherStudentData", "TeacherStudentModule"]

@@ -39,7 +39,7 @@ from dynamics.analysis.output import check_existing_output, write_atomically
 from dynamics.errors import DynamicsError
 from dynamics.experiments import runner
 from dynamics.experiments.config import ExperimentConfig
-from dynamics.experiments.registry import Built, Experiment, Recording
+from dynamics.experiments.experiment import Built, Experiment, Recording
 from dynamics.store import RunLock, open_run
 
 #: The summary written beside the runs.
@@ -95,6 +95,12 @@ def run_seeds(
 ) -> GroupResult:
     """Train every variant of ``config`` for each of ``config.seeds`` into
     ``out_dir/<variant>/seed<k>.h5`` and write the summary to ``out_dir/summary.json``.
+
+    Example::
+
+        experiment, config = load_config("teacher_student", seeds="0-4", steps=500)
+        group = run_seeds(experiment, config, "runs/seeds", jobs=2)
+        group.summary["crossover"]  # per shifted variant: the step it overtakes for good
 
     Args:
         jobs: runs at a time, each in its own process (1: one after the other, in this one);
