@@ -29,6 +29,12 @@ def digit_images(heldout: bool, heldout_size: int) -> torch.Tensor:
 class DigitsData(pl.LightningDataModule):
     """Shuffled training batches (seeded) and the held-out digits in one batch.
 
+    Example::
+
+        data = DigitsData(batch_size=64)
+        data.setup("fit")
+        (images,) = next(iter(data.train_dataloader()))  # (64, 1, 8, 8) in [0, 1]
+
     Args:
         batch_size: training images per batch.
         heldout_size: images held out.

@@ -19,6 +19,11 @@ def conv_autoencoder(width: int, init: str = "kaiming") -> nn.Sequential:
     Every convolution is 3×3 with padding 1 and followed by a ReLU, except the last, which
     outputs the image. The ReLUs (the hidden states the paper splits) are ``encoder.1``,
     ``encoder.3``, ``encoder.6``, ``encoder.8``, ``decoder.2``, ``decoder.4``.
+
+    Example::
+
+        net = conv_autoencoder(width=16)
+        net(torch.rand(4, 1, 8, 8)).shape  # (4, 1, 8, 8)
     """
     w = width
     net = nn.Sequential(

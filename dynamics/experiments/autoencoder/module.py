@@ -16,6 +16,11 @@ class AutoencoderModule(pl.LightningModule):
 
     Logs ``val_loss`` (held-out reconstruction MSE).
 
+    Example::
+
+        trainer = pl.Trainer(max_steps=200, callbacks=[DynamicsRecorder("runs/ae.h5")])
+        trainer.fit(AutoencoderModule(shift="expected"), DigitsData())
+
     Args:
         width: channels of the first stage (the second has twice as many).
         init: one of :data:`~dynamics.experiments.autoencoder.model.INITS`.

@@ -58,6 +58,12 @@ class _Windows(IterableDataset):
 class StdlibTextData(pl.LightningDataModule):
     """Random training windows and fixed held-out windows of the standard library's source.
 
+    Example::
+
+        data = StdlibTextData(context=64, batch_size=32)
+        data.setup("fit")
+        tokens, targets = next(iter(data.train_dataloader()))  # targets: tokens shifted by one
+
     Args:
         context: sequence length (must match the model's).
         batch_size: training windows per batch.

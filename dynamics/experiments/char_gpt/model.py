@@ -11,6 +11,11 @@ from dynamics.experiments.transformer import TransformerBlock, gpt_init
 class CharGPT(nn.Module):
     """A nanoGPT-style byte-level language model with tied input and output embeddings.
 
+    Example::
+
+        gpt = CharGPT(context=64, width=64, depth=2, heads=4)
+        gpt(torch.randint(256, (4, 64))).shape  # (4, 64, 256): next-byte logits
+
     Args:
         vocab: number of token values (256 for bytes).
         context: longest sequence (positions).

@@ -17,6 +17,11 @@ class CharGPTModule(pl.LightningModule):
     """Next-byte prediction with :class:`~dynamics.experiments.char_gpt.model.CharGPT`; logs
     ``val_loss`` and ``val_bpc`` (bits per character).
 
+    Example::
+
+        trainer = pl.Trainer(max_steps=200, callbacks=[DynamicsRecorder("runs/gpt.h5")])
+        trainer.fit(CharGPTModule(shift="adaptive"), StdlibTextData(context=64))
+
     Args:
         context: sequence length.
         width: residual-stream width.

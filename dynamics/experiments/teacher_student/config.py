@@ -43,7 +43,7 @@ class TeacherStudentConfig(ShiftConfig):
 
     Example::
 
-        experiment, config = load_config("configs/teacher_student.yaml", steps=200)
+        experiment, config = load_config("teacher_student", steps=200)
         config.model.width, config.variants  # 64, {"unshifted": "none", "shifted": "expected"}
     """
 

@@ -30,6 +30,11 @@ class _TeacherStream(IterableDataset):
 class TeacherStudentData(pl.LightningDataModule):
     """Fresh Gaussian inputs labelled by a fixed teacher, and a fixed held-out set.
 
+    Example::
+
+        data = TeacherStudentData(width=64, batch_size=128)
+        x, y = next(iter(data.train_dataloader()))  # y = teacher(x)
+
     Args:
         width: input width (must match the student's).
         expansion: teacher's block expansion.

@@ -34,7 +34,7 @@ class TeacherStudent(ShiftExperiment[TeacherStudentConfig]):
 
     Example::
 
-        experiment, config = load_config("configs/teacher_student.yaml", steps=200)
+        experiment, config = load_config("teacher_student", steps=200)
         run_experiment(experiment, config, "runs/demo")  # runs/demo/{unshifted,shifted}.h5
     """
 

@@ -34,6 +34,11 @@ class ResidualBlock(nn.Module):
 class ResidualMLP(nn.Module):
     """A stack of :class:`ResidualBlock` on a residual stream of ``width`` features.
 
+    Example::
+
+        mlp = ResidualMLP(width=64, depth=4, activation="relu", shift="expected")
+        mlp(torch.randn(8, 64)).shape  # (8, 64)
+
     Args:
         width: residual-stream width (input and output size).
         expansion: hidden width of each block is ``width * expansion``.

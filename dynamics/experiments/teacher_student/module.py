@@ -24,6 +24,12 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 class TeacherStudentModule(pl.LightningModule):
     """The student: a residual MLP trained by MSE against the teacher's outputs.
 
+    Example::
+
+        recorder = DynamicsRecorder("runs/student.h5", probes=[TrainingLoss()])
+        trainer = pl.Trainer(max_steps=200, callbacks=[recorder])
+        trainer.fit(TeacherStudentModule(shift="expected"), TeacherStudentData())
+
     Args:
         width: residual-stream width.
         expansion: hidden width multiple of each block.

@@ -41,6 +41,12 @@ def labelled_digits(heldout: bool, heldout_size: int) -> tuple[torch.Tensor, tor
 class LabelledDigitsData(pl.LightningDataModule):
     """Shuffled training batches (seeded) and the held-out digits in one batch.
 
+    Example::
+
+        data = LabelledDigitsData(batch_size=64)
+        data.setup("fit")
+        images, labels = next(iter(data.train_dataloader()))  # (64, 1, 8, 8), (64,)
+
     Args:
         batch_size: training images per batch.
         heldout_size: images held out (stratified by class).

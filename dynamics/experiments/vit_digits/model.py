@@ -12,6 +12,11 @@ from dynamics.experiments.transformer import TransformerBlock, gpt_init
 class ViT(nn.Module):
     """A small vision transformer: non-overlapping square patches, a class token, pre-LN blocks.
 
+    Example::
+
+        vit = ViT(image_size=8, patch_size=2, channels=1, classes=10)
+        vit(torch.rand(16, 1, 8, 8)).shape  # (16, 10)
+
     Args:
         image_size: side of the (square) input images.
         patch_size: side of a patch (must divide ``image_size``).

@@ -15,6 +15,11 @@ class ViTDigitsModule(pl.LightningModule):
     """Digit classification with :class:`~dynamics.experiments.vit_digits.model.ViT`,
     cross-entropy loss; logs ``val_loss`` and ``val_acc`` (held-out top-1 accuracy).
 
+    Example::
+
+        trainer = pl.Trainer(max_steps=200, callbacks=[DynamicsRecorder("runs/vit.h5")])
+        trainer.fit(ViTDigitsModule(shift="adaptive"), LabelledDigitsData())
+
     Args:
         patch_size: side of a patch of the 8×8 image (1, 2, 4 or 8).
         width: residual-stream width.
