@@ -32,9 +32,10 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from dynamics.experiments.teacher_student.model import ResidualMLP
-from dynamics.landscape import LossSurface, evaluate_grid
-from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.plane import Grid, Plane, random_filter_normalized_plane
+from dynamics.geometry.landscape import LossSurface, evaluate_grid
+from dynamics.geometry.plane import Grid, Plane, random_filter_normalized_plane
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import parameter_vector
 
 GRID_SIDE = 41
 

@@ -21,8 +21,8 @@ from dynamics.errors import DynamicsError
 
 if TYPE_CHECKING:
     from dynamics.analysis.report import Written
-    from dynamics.bias_audit_result import AuditResult
-    from dynamics.rebuild import RunInitArgs
+    from dynamics.bias.audit_result import AuditResult
+    from dynamics.model.rebuild import RunInitArgs
 
 USAGE_ERROR = 2
 #: A shell's status of a command stopped by Ctrl-C (128 + SIGINT).
@@ -359,7 +359,7 @@ def _html_output_arguments(parser: argparse.ArgumentParser, required: bool = Tru
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    """How a run's model is rebuilt offline (see :func:`dynamics.rebuild.rebuild_module`)."""
+    """How a run's model is rebuilt offline (see :func:`dynamics.model.rebuild.rebuild_module`)."""
     parser.add_argument(
         "--model",
         metavar="MODULE:NAME",
@@ -393,7 +393,7 @@ def _run(args: argparse.Namespace) -> int:
     from dynamics.experiments.config import parse_seeds
     from dynamics.experiments.config_files import load_config
     from dynamics.experiments.runner import run_experiment
-    from dynamics.experiments.seed_runs import available_cores
+    from dynamics.system import available_cores
 
     _check_range("--steps", args.steps, 1, _INT64_MAX)
     _check_range("--seed", args.seed, 0, _INT64_MAX)
@@ -490,7 +490,7 @@ def _reproduce(args: argparse.Namespace) -> int:
     from dynamics.analysis.reproduction_page import CLAIMS_HEADER, claim_rows
     from dynamics.experiments.config import parse_seeds
     from dynamics.experiments.reproduce import reproduce
-    from dynamics.experiments.seed_runs import available_cores
+    from dynamics.system import available_cores
 
     _check_range("--steps", args.steps, 1, _INT64_MAX)
     cores = available_cores()
@@ -606,7 +606,7 @@ def _status_line(status: dict) -> str:
 
 def _plane(args: argparse.Namespace) -> int:
     from dynamics.analysis.plane_run import write_plane
-    from dynamics.memory import check_fits
+    from dynamics.system import check_fits
 
     if args.grid < 2:
         raise DynamicsError(f"--grid must be at least 2, got {args.grid}")
@@ -651,7 +651,7 @@ def _run_init_args(texts: Sequence[str]) -> RunInitArgs | None:
     run's), each once; None when none is given."""
     if not texts:
         return None
-    from dynamics.rebuild import RunInitArgs
+    from dynamics.model.rebuild import RunInitArgs
 
     shared, by_run = None, {}
     for text in texts:
@@ -716,7 +716,7 @@ def _compare(args: argparse.Namespace) -> int:
         )
     init_args = _run_init_args(args.init_args)
     if args.model is not None and barrier_points:
-        from dynamics.rebuild import model_target
+        from dynamics.model.rebuild import model_target
 
         # The user's --model (a typo, a missing file) is their input, not a run's remark.
         model_target(args.model)
@@ -879,7 +879,8 @@ def _audit(args: argparse.Namespace) -> int:
 
     from dynamics.analysis.bias_audit import recorded_audit
     from dynamics.bias.audit import audit, audit_batch, token_embedding
-    from dynamics.rebuild import build_module, probe_batch, rebuild_module
+    from dynamics.model.probe_batch import probe_batch
+    from dynamics.model.rebuild import build_module, rebuild_module
     from dynamics.store import names, open_run
 
     shape = _shape(args.input_shape)
@@ -992,7 +993,7 @@ def _json_input(text: str, model: Any) -> tuple[Any, str]:
 def _arguments(batch: Any) -> Any:
     """An example input file's content as the forward's arguments: a dict as keywords, a list
     or tuple as positional arguments, anything else as the one argument."""
-    from dynamics.batch_tree import ForwardArguments
+    from dynamics.params.batch_tree import ForwardArguments
 
     if isinstance(batch, dict):
         return ForwardArguments((), batch)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
-from dynamics.activations import ShiftedActivation
 from dynamics.analysis.bias_audit import recorded_audit
+from dynamics.bias.activations import ShiftedActivation
 from dynamics.experiments.autoencoder.model import conv_autoencoder
 from dynamics.experiments.autoencoder.module import AutoencoderModule
 from dynamics.store import names, open_run

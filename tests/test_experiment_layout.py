@@ -1,19 +1,29 @@
 """The experiments' layout: built-ins listed without importing them, configs shipped and named."""
 
+import importlib
+import json
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import h5py
 import pytest
+import torch
 import yaml
 
+from dynamics import open_run
+from dynamics.callbacks import DynamicsRecorder, ParameterDisplacement, TrainingLoss
 from dynamics.cli import main
+from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.experiments.config import ConfigError
 from dynamics.experiments.config_files import config_file, load_config, shipped_configs
 from dynamics.experiments.experiment import Experiment
 from dynamics.experiments.registry import BUILTINS, get, known, register
 from dynamics.experiments.shift_experiment import ShiftExperiment
+from dynamics.model.rebuild import RENAMED_CLASSES, rebuild_module
+from dynamics.store import names
+from tests.conftest import make_quiet_trainer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -116,3 +126,39 @@ def test_every_experiment_folder_and_the_configs_are_in_the_wheel():
     assert folders and folders <= set(setuptools["packages"])
     assert setuptools["package-dir"]["dynamics.configs"] == "configs"
     assert setuptools["package-data"]["dynamics.configs"] == ["*.yaml"]
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_CLASSES))
+def test_every_renamed_class_is_gone_from_its_old_path_and_found_at_its_new(old):
+    """Both ends checked: an import-path rewrite run over the table would make it map new
+    paths to themselves, and old files would stop rebuilding unnoticed."""
+    new = RENAMED_CLASSES[old]
+    module, _, name = new.rpartition(".")
+    assert name == old.rpartition(".")[2]
+    assert isinstance(getattr(importlib.import_module(module), name), type)
+    old_module, _, _ = old.rpartition(".")
+    try:
+        assert not hasattr(importlib.import_module(old_module), name)
+    except ModuleNotFoundError:
+        pass
+
+
+def test_a_run_recorded_under_an_old_class_path_still_rebuilds(tmp_path):
+    arch = dict(width=8, expansion=2, depth=2)
+    path = tmp_path / "old.h5"
+    recorder = DynamicsRecorder(path, probes=[TrainingLoss(), ParameterDisplacement()])
+    trainer = make_quiet_trainer(max_steps=2, callbacks=[recorder], limit_val_batches=0)
+    trainer.fit(TeacherStudentModule(**arch, seed=3), TeacherStudentData(**arch, batch_size=4))
+    old = "dynamics.experiments.teacher_student.TeacherStudentModule"  # before issue 23
+    with h5py.File(path, "r+") as file:
+        record = json.loads(file.attrs[names.ATTR_MODULE])
+        assert record["class_path"] == RENAMED_CLASSES[old]
+        file.attrs[names.ATTR_MODULE] = json.dumps({**record, "class_path": old})
+    run = open_run(path)
+    assert run.attrs[names.ATTR_MODULE]["class_path"] == old
+
+    rebuilt = rebuild_module(run)
+
+    assert type(rebuilt) is TeacherStudentModule and rebuilt.hparams.seed == 3
+    theta0 = TeacherStudentModule(**arch, seed=3).state_dict()
+    assert all(torch.equal(rebuilt.state_dict()[k], v) for k, v in theta0.items())

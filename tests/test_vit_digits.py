@@ -13,7 +13,7 @@ import yaml
 from dynamics.experiments.vit_digits.data import LabelledDigitsData, labelled_digits
 from dynamics.experiments.vit_digits.model import ViT
 from dynamics.experiments.vit_digits.module import ViTDigitsModule
-from dynamics.rebuild import rebuild_module
+from dynamics.model.rebuild import rebuild_module
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics
 from tests.test_char_gpt_experiment import mlp_activation_means, residual_stream_norms, run_tiny

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dynamics.activations import SHIFTS
+from dynamics.bias.activations import SHIFTS
 from dynamics.errors import DynamicsError
 
 #: The experiment of a config without an ``experiment:`` key (configs from before the key).
@@ -168,7 +168,7 @@ def parse_seeds(value: Any, name: str = "seeds") -> list[int]:
 
 
 def check_shifts(shifts: Mapping[str, Any]) -> None:
-    """Refuse a shift that is neither one of :data:`~dynamics.activations.SHIFTS` nor a finite
+    """Refuse a shift that is neither one of :data:`~dynamics.bias.activations.SHIFTS` nor a finite
     number.
 
     Raises:

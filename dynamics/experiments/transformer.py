@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: The activation modules the transformers build, by the names of ``dynamics.activations``.
+#: The activation modules the transformers build, by the names of ``dynamics.bias.activations``.
 ACTIVATION_MODULES: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
     "gelu": nn.GELU,

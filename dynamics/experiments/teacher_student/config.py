@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynamics.activations import ACTIVATIONS
+from dynamics.bias.activations import ACTIVATIONS
 from dynamics.experiments.config import ConfigError, check_positive, check_seeds, check_shifts
 from dynamics.experiments.shift_experiment import ShiftConfig
 from dynamics.experiments.teacher_student.model import parameter_count
 from dynamics.experiments.teacher_student.module import OPTIMIZERS
-from dynamics.memory import check_fits
+from dynamics.system import check_fits
 
 
 @dataclass

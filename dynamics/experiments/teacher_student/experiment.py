@@ -23,9 +23,10 @@ from dynamics.experiments.shift_experiment import ShiftExperiment, hessian_probe
 from dynamics.experiments.teacher_student.config import TeacherStudentConfig
 from dynamics.experiments.teacher_student.data import TeacherStudentData
 from dynamics.experiments.teacher_student.module import TeacherStudentModule
-from dynamics.initial_gradient import initial_gradient
-from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.plane import Plane, plane_from_gradients
+from dynamics.geometry.plane import Plane, plane_from_gradients
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import parameter_vector
+from dynamics.passes.initial_gradient import initial_gradient
 from dynamics.store import names
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynamics.activations import ShiftedActivation
+from dynamics.bias.activations import ShiftedActivation
 
 
 class ResidualBlock(nn.Module):
@@ -43,7 +43,7 @@ class ResidualMLP(nn.Module):
         width: residual-stream width (input and output size).
         expansion: hidden width of each block is ``width * expansion``.
         depth: number of blocks.
-        activation: activation name (see ``dynamics.activations.ACTIVATIONS``).
+        activation: activation name (see ``dynamics.bias.activations.ACTIVATIONS``).
         shift: activation shift (``none``, ``expected``, ``adaptive`` or a number).
         bias: whether the linear layers carry biases.
     """
