@@ -1,4 +1,9 @@
-"""The experiments ``dynamics run`` trains (see ``registry``), with their modules and data."""
+"""The experiments ``dynamics run`` trains: one folder each (model, module, data, config,
+experiment), found by name through :mod:`~dynamics.experiments.registry`.
+
+The controlled experiment's student and data are exported here, as LightningCLI configs name
+them (``dynamics.experiments.TeacherStudentModule``).
+"""
 
 from dynamics.experiments.teacher_student.data import TeacherStudentData
 from dynamics.experiments.teacher_student.module import TeacherStudentModule

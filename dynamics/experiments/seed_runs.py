@@ -36,7 +36,7 @@ import torch
 from dynamics.analysis.comparison import loss_crossover
 from dynamics.analysis.groups import overtaking_step
 from dynamics.analysis.output import check_existing_output, write_atomically
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 from dynamics.experiments import runner
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.experiment import Built, Experiment, Recording
@@ -110,8 +110,8 @@ def run_seeds(
     Raises:
         DynamicsError: before anything trains: an output exists and ``overwrite`` is false, a
             variant folder holds a seed file outside ``config.seeds`` (a group folder holds one
-            group), ``jobs`` is out of range, an output is being written by another run, or a
-            seed cannot be set up (every seed is planned first).
+            group), ``jobs`` is out of range (a ParameterError), an output is being written by
+            another run, or a seed cannot be set up (every seed is planned first).
     """
     if not config.seeds:
         raise DynamicsError("no seeds to run: give seeds (or use run_experiment for one seed)")
@@ -122,7 +122,7 @@ def run_seeds(
     if jobs is None:
         jobs = max(1, min(len(runs), cores // config.threads))
     if not 1 <= jobs <= cores:
-        raise DynamicsError(f"--jobs must be from 1 to this machine's {cores} cores, got {jobs}")
+        raise ParameterError("jobs", f"must be from 1 to this machine's {cores} cores, got {jobs}")
     paths = check_outputs(experiment, config, out_dir, overwrite)
     summary_path = out_dir / SUMMARY
     new_folders = [f for f in (*(out_dir / v for v in variants), out_dir, *out_dir.parents)]
@@ -236,7 +236,7 @@ def _check_group_folders(out_dir: Path, variants: list[str], ours: set[Path]) ->
             if stray:
                 raise DynamicsError(
                     f"{stray[0]} is not one of this command's seeds; a group folder holds one "
-                    "group: choose another --out or remove it"
+                    "group: choose another output folder or remove it"
                 )
 
 
