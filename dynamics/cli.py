@@ -1051,5 +1051,8 @@ def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         print("  ".join([*cells, row[-1]]).rstrip())
 
 
+#: The parser of every command, public for the docs' CLI reference (docs/hooks/cli_reference.py).
+build_parser = _build_parser
+
 if __name__ == "__main__":
     sys.exit(main())
