@@ -878,7 +878,7 @@ def _audit(args: argparse.Namespace) -> int:
     import torch
 
     from dynamics.analysis.bias_audit import recorded_audit
-    from dynamics.bias.audit import audit, audit_batch, token_embedding
+    from dynamics.bias.auditing import audit, audit_batch, token_embedding
     from dynamics.model.probe_batch import probe_batch
     from dynamics.model.rebuild import build_module, rebuild_module
     from dynamics.store import names, open_run
