@@ -1,6 +1,7 @@
 """Top Hessian eigenvalues: our Lanczos against PyHessian, hessian-eigenthings and power iteration.
 
-Model: the paper's controlled teacher–student setup (``dynamics.models.ResidualMLP``, width 64,
+Model: the paper's controlled teacher–student setup
+(``dynamics.experiments.teacher_student.model.ResidualMLP``, width 64,
 expansion 4, depth 4, ReLU; 133k parameters), one fixed batch of 256 N(0, I) inputs, MSE against
 a random teacher of the same architecture, float32. Reference: the same weights in float64, our
 Lanczos at residual tolerance 1e-10, cross-checked against ARPACK (``scipy.sparse.linalg.eigsh``)
@@ -66,10 +67,10 @@ from dynamics.curvature import (
     lanczos,
     top_eigenvalues,
 )
-from dynamics.experiments.config import load_config
+from dynamics.experiments.config_files import load_config
 from dynamics.experiments.runner import quiet_lightning
-from dynamics.experiments.teacher_student_experiment import TeacherStudent
-from dynamics.models import ResidualMLP
+from dynamics.experiments.teacher_student.experiment import TeacherStudent
+from dynamics.experiments.teacher_student.model import ResidualMLP
 
 try:  # the bench extra; without it the curvlinops row says so instead of a number
     import curvlinops

@@ -1,6 +1,7 @@
 """Throughput of the loss-grid evaluator against the bare-forward limit and a reference loop.
 
-Model: the paper's controlled teacher–student setup (``dynamics.models.ResidualMLP``, width 64,
+Model: the paper's controlled teacher–student setup
+(``dynamics.experiments.teacher_student.model.ResidualMLP``, width 64,
 expansion 4, depth 4, ReLU), a batch of 512 N(0, I) inputs, MSE against a random teacher; a
 41×41 grid on a random filter-normalized plane. Timed side by side in one process, the order
 of the methods rotating every repetition, each repetition one grid row (41 points):
@@ -30,9 +31,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from dynamics.experiments.teacher_student.model import ResidualMLP
 from dynamics.geometry.landscape import LossSurface, evaluate_grid
 from dynamics.geometry.plane import Grid, Plane, random_filter_normalized_plane
-from dynamics.models import ResidualMLP
 from dynamics.params.layout import ParameterLayout
 from dynamics.params.vectors import parameter_vector
 

@@ -26,7 +26,8 @@ import torch
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, LossChangeSplit
 from dynamics.experiments.runner import quiet_lightning
-from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+from dynamics.experiments.teacher_student.data import TeacherStudentData
+from dynamics.experiments.teacher_student.module import TeacherStudentModule
 
 
 class TimedSplit(LossChangeSplit):

@@ -45,10 +45,12 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.experiments.char_gpt import CharGPTModule, StdlibTextData
-from dynamics.experiments.config import load_config
+from dynamics.experiments.char_gpt.data import StdlibTextData
+from dynamics.experiments.char_gpt.module import CharGPTModule
+from dynamics.experiments.config_files import load_config
 from dynamics.experiments.runner import quiet_lightning
-from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+from dynamics.experiments.teacher_student.data import TeacherStudentData
+from dynamics.experiments.teacher_student.module import TeacherStudentModule
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"
 #: Steps of the untimed fit that meters the recorder's memory.

@@ -67,7 +67,7 @@ import pytorch_lightning as pl
 import torch
 
 from dynamics.callbacks import DynamicsRecorder
-from dynamics.experiments.config import load_config
+from dynamics.experiments.config_files import load_config
 from dynamics.experiments.runner import quiet_lightning, trainer_for
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"

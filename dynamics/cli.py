@@ -119,7 +119,11 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("run", help="train every variant of an experiment config")
-    run.add_argument("config", type=Path, help="YAML config (see configs/teacher_student.yaml)")
+    run.add_argument(
+        "config",
+        type=Path,
+        help="a YAML config file, or a shipped config by name (dynamics configs lists them)",
+    )
     run.add_argument(
         "--out",
         type=Path,
@@ -142,6 +146,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=_run)
 
+    configs = commands.add_parser("configs", help="list the shipped configs dynamics run names")
+    configs.set_defaults(handler=_configs)
+
     reproduce = commands.add_parser(
         "reproduce",
         help="the paper's experiments over seeds, compared, with a report of its claims",
@@ -161,8 +168,7 @@ def _build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument(
         "--configs",
         type=Path,
-        default=Path("configs"),
-        help="folder of the configs (default: configs)",
+        help="folder of the configs (default: the shipped configs, dynamics configs lists them)",
     )
     reproduce.add_argument(
         "--only",
@@ -384,7 +390,8 @@ def _check_range(option: str, value: float | None, low: float, high: float) -> N
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dynamics.experiments.config import load_config, parse_seeds
+    from dynamics.experiments.config import parse_seeds
+    from dynamics.experiments.config_files import load_config
     from dynamics.experiments.runner import run_experiment
     from dynamics.system import available_cores
 
@@ -422,6 +429,15 @@ def _run(args: argparse.Namespace) -> int:
         ],
     )
     print(f"all variants share θ0 (sha256 {results[0].theta0_sha256[:12]}…)")
+    return 0
+
+
+def _configs(args: argparse.Namespace) -> int:
+    from dynamics.experiments.config_files import configs_folder, shipped_configs
+
+    rows = [(c.name, c.experiment, c.description) for c in shipped_configs().values()]
+    _print_table(("name", "experiment", "what it is"), rows)
+    print(f"files in {configs_folder()}: copy one to change it, or run one by name")
     return 0
 
 
@@ -862,7 +878,7 @@ def _audit(args: argparse.Namespace) -> int:
     import torch
 
     from dynamics.analysis.measures.bias_audit import recorded_audit
-    from dynamics.bias.audit import audit, audit_batch, token_embedding
+    from dynamics.bias.auditing import audit, audit_batch, token_embedding
     from dynamics.model.probe_batch import probe_batch
     from dynamics.model.rebuild import build_module, rebuild_module
     from dynamics.store import names, open_run

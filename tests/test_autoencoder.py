@@ -13,7 +13,8 @@ import yaml
 
 from dynamics.analysis.measures.bias_audit import recorded_audit
 from dynamics.bias.activations import ShiftedActivation
-from dynamics.experiments.autoencoder import AutoencoderModule, conv_autoencoder
+from dynamics.experiments.autoencoder.model import conv_autoencoder
+from dynamics.experiments.autoencoder.module import AutoencoderModule
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics
 

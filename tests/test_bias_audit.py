@@ -1,4 +1,4 @@
-"""dynamics.bias.audit against counts, closed forms and direct evaluation on small models."""
+"""dynamics.bias.auditing against counts, closed forms and direct evaluation on small models."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynamics.bias import AuditResult, audit
-from dynamics.bias.audit import audit_batch, forward_input
+from dynamics.bias.auditing import audit_batch, forward_input
 from dynamics.errors import DynamicsError
 
 
@@ -268,7 +268,7 @@ def test_forward_input_is_what_the_training_step_passes_to_forward(small_cnn):
 
 
 def test_forward_input_finds_the_network_a_loss_calls():
-    from dynamics.experiments.teacher_student import TeacherStudentModule
+    from dynamics.experiments.teacher_student.module import TeacherStudentModule
 
     module = TeacherStudentModule(width=8, expansion=2, depth=1)
     x = torch.randn(4, 8)
@@ -299,7 +299,7 @@ def test_audit_batch_refuses_to_trace_part_of_a_model():
 
 
 def test_tied_weights_count_once():
-    from dynamics.models import CharGPT
+    from dynamics.experiments.char_gpt.model import CharGPT
 
     model = CharGPT(context=8, width=16, depth=1)
     assert model.head.weight is model.tokens.weight

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dynamics import open_run
 from dynamics.analysis.measures.bias_audit import recorded_audit
 from dynamics.bias import audit
-from dynamics.bias.audit import audit_batch
+from dynamics.bias.auditing import audit_batch
 from dynamics.callbacks import (
     BiasAudit,
     DynamicsRecorder,
@@ -95,7 +95,12 @@ def test_audit_of_a_dotted_class_path(dynamics):
 
 
 def test_audit_of_a_language_model_on_token_ids(dynamics):
-    args = ("audit", "dynamics.models.CharGPT", "--init-args", '{"context": 8, "width": 16}')
+    args = (
+        "audit",
+        "dynamics.experiments.char_gpt.model.CharGPT",
+        "--init-args",
+        '{"context": 8, "width": 16}',
+    )
     result = dynamics(*args, "--input-shape", "2,8", "--vocab", "256", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics.callbacks import BiasComponent, DynamicsRecorder, check_probe
 from dynamics.callbacks.bias_component import image_steps
-from dynamics.experiments.autoencoder import AutoencoderModule, digit_images
+from dynamics.experiments.autoencoder.data import digit_images
+from dynamics.experiments.autoencoder.module import AutoencoderModule
 from dynamics.store import names, open_run
 from tests.conftest import SmallCNN, make_quiet_trainer
 from tests.test_real_projects import CharGPT, DigitsCNN, DigitsData

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from dynamics.experiments.char_gpt import CharGPTModule, StdlibTextData, stdlib_text
-from dynamics.models import CharGPT
+from dynamics.experiments.char_gpt.data import StdlibTextData, stdlib_text
+from dynamics.experiments.char_gpt.model import CharGPT
+from dynamics.experiments.char_gpt.module import CharGPTModule
 
 
 def test_training_and_heldout_text_come_from_different_files():

@@ -14,9 +14,10 @@ import yaml
 
 from dynamics.bias.activations import ShiftedActivation
 from dynamics.callbacks import HiddenStateNorms
-from dynamics.experiments.char_gpt import CharGPTModule, StdlibTextData
+from dynamics.experiments.char_gpt.data import StdlibTextData
+from dynamics.experiments.char_gpt.module import CharGPTModule
 from dynamics.experiments.scaleup import RESIDUAL_STREAM
-from dynamics.experiments.vit_digits import ViTDigitsModule
+from dynamics.experiments.vit_digits.module import ViTDigitsModule
 from dynamics.model.rebuild import rebuild_module
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics

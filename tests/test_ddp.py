@@ -16,7 +16,8 @@ from dynamics.callbacks import (
     UnitHealth,
 )
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.experiments.teacher_student import _TeacherStream, stream_seed
+from dynamics.experiments.teacher_student.data import _TeacherStream
+from dynamics.experiments.teacher_student.streams import stream_seed
 
 
 def test_two_process_ddp_writes_one_file_from_rank_zero(tmp_path, quiet_trainer):

@@ -11,8 +11,10 @@ from dynamics import open_run
 from dynamics.callbacks import LoggedMetrics, TrainingLoss
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.experiments.config import ConfigError, ExperimentConfig, load_config
-from dynamics.experiments.registry import Built, Experiment, Recording, get, register
+from dynamics.experiments.config import ConfigError, ExperimentConfig
+from dynamics.experiments.config_files import load_config
+from dynamics.experiments.experiment import Built, Experiment, Recording
+from dynamics.experiments.registry import get, register
 from dynamics.experiments.runner import run_experiment
 
 ARCH = dict(width=8, expansion=2, depth=2)
@@ -70,7 +72,7 @@ def test_registry_refuses_unknown_names_and_a_second_registration():
 def test_equal_seed_numbers_give_independent_streams():
     """Student seed 1 and teacher seed 1 (the default) used to build the teacher as the student:
     zero loss, and a traceback for a zero gradient. Each stream now draws from its own spawn."""
-    from dynamics.experiments.teacher_student import STREAMS, stream_seed
+    from dynamics.experiments.teacher_student.streams import STREAMS, stream_seed
 
     assert len({stream_seed(1, stream) for stream in STREAMS}) == len(STREAMS)
     assert stream_seed(1, "training data", 0) != stream_seed(1, "training data", 1)  # DDP ranks

@@ -20,7 +20,7 @@ from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.curvature import top_eigenvalues
-from dynamics.experiments.teacher_student import TeacherStudentModule
+from dynamics.experiments.teacher_student.module import TeacherStudentModule
 from dynamics.params.vectors import flatten
 
 

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from dynamics import open_run
 from dynamics.analysis.pages.run_report import write_report
 from dynamics.callbacks import DynamicsRecorder, LossChangeSplit, ProbeUnavailable, check_probe
-from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+from dynamics.experiments.teacher_student.data import TeacherStudentData
+from dynamics.experiments.teacher_student.module import TeacherStudentModule
 from dynamics.params.groups import group_parameters
 from dynamics.params.vectors import parameter_vector
 from dynamics.passes.loss_change import split_loss_change

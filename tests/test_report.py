@@ -251,7 +251,7 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
-    from dynamics.experiments.config import load_config
+    from dynamics.experiments.config_files import load_config
     from dynamics.experiments.runner import run_experiment
 
     folder = tmp_path_factory.mktemp("tiny")

@@ -19,8 +19,10 @@ from dynamics.callbacks import LoggedMetrics, TrainingLoss
 from dynamics.cli import main
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.experiments.config import ExperimentConfig, load_config
-from dynamics.experiments.registry import Built, Experiment, Recording, register
+from dynamics.experiments.config import ExperimentConfig
+from dynamics.experiments.config_files import load_config
+from dynamics.experiments.experiment import Built, Experiment, Recording
+from dynamics.experiments.registry import register
 from dynamics.experiments.seed_runs import run_seeds
 from tests.conftest import TINY_EXPERIMENT, run_dynamics
 from tests.test_user_input import MINE, files_under, refused_in_process

@@ -10,7 +10,7 @@ from pytorch_lightning.loggers import CSVLogger
 
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, TrainingLoss
-from dynamics.experiments.config import load_config
+from dynamics.experiments.config_files import load_config
 from dynamics.experiments.progress import ReturnedLossBar
 from dynamics.experiments.runner import run_experiment, trainer_for
 from dynamics.store import names

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from dynamics.experiments.vit_digits import LabelledDigitsData, ViTDigitsModule, labelled_digits
+from dynamics.experiments.vit_digits.data import LabelledDigitsData, labelled_digits
+from dynamics.experiments.vit_digits.model import ViT
+from dynamics.experiments.vit_digits.module import ViTDigitsModule
 from dynamics.model.rebuild import rebuild_module
-from dynamics.models import ViT
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics
 from tests.test_char_gpt_experiment import mlp_activation_means, residual_stream_norms, run_tiny

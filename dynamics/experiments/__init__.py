@@ -1,5 +1,11 @@
-"""The experiments ``dynamics run`` trains (see ``registry``), with their modules and data."""
+"""The experiments ``dynamics run`` trains: one folder each (model, module, data, config,
+experiment), found by name through :mod:`~dynamics.experiments.registry`.
 
-from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
+The controlled experiment's student and data are exported here, as LightningCLI configs name
+them (``dynamics.experiments.TeacherStudentModule``).
+"""
+
+from dynamics.experiments.teacher_student.data import TeacherStudentData
+from dynamics.experiments.teacher_student.module import TeacherStudentModule
 
 __all__ = ["TeacherStudentData", "TeacherStudentModule"]

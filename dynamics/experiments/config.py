@@ -1,7 +1,7 @@
-"""Experiment configs: defaults in code, overrides from YAML, the experiment picked by name.
+"""The config base every experiment's config subclasses, and the checks their values share.
 
-Every field has a default, so a YAML file names only what it changes; unknown keys and values of
-the wrong type are refused with one line naming the key.
+Every field has a default, so a YAML file (read by :mod:`dynamics.experiments.config_files`)
+names only what it changes.
 """
 
 from __future__ import annotations
@@ -10,26 +10,20 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-import yaml
 
 from dynamics.bias.activations import SHIFTS
 from dynamics.errors import DynamicsError
-from dynamics.experiments.registry import get
-
-if TYPE_CHECKING:
-    from dynamics.experiments.registry import Experiment
 
 #: The experiment of a config without an ``experiment:`` key (configs from before the key).
 DEFAULT_EXPERIMENT = "teacher_student"
 
 
 #: The largest integer a config holds: what torch, numpy and HDF5 hold in 64 bits.
-_INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1
 #: The most seeds one command trains: each trains every variant, so more is weeks of CPU time
 #: (and a typo such as 0-10000000 should not plan ten million runs).
 MAX_SEEDS = 1000
@@ -165,7 +159,7 @@ def parse_seeds(value: Any, name: str = "seeds") -> list[int]:
         raise ConfigError(form)
     if len(seeds) > MAX_SEEDS:
         raise ConfigError(f"{name}: more than {MAX_SEEDS} seeds")
-    if max(seeds) > _INT64_MAX:
+    if max(seeds) > INT64_MAX:
         raise ConfigError(f"{name}: seed {max(seeds)} does not fit in 64 bits")
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:
@@ -207,132 +201,3 @@ def check_variant_names(names: Iterable[str]) -> None:
     for name in names:
         if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"variant name {name!r} must be letters, digits, - or _")
-
-
-def load_config(
-    path: str | Path | None = None, **overrides: Any
-) -> tuple[Experiment, ExperimentConfig]:
-    """Read a YAML config over its experiment's defaults, then apply dotted ``overrides``.
-
-    The ``experiment:`` key names the experiment (:data:`DEFAULT_EXPERIMENT` when absent); the
-    other keys are that experiment's config. An override such as ``optimizer.lr`` is checked
-    like the same key in the file; None leaves the key as it is.
-
-    Returns:
-        The experiment and its validated config.
-
-    Raises:
-        DynamicsError: missing or unreadable file, unknown experiment, unknown key, wrong type
-            or bad value.
-    """
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config {path}: no such file")
-        try:
-            data = yaml.load(path.read_text(), Loader=_UniqueKeysLoader) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config {path}: not valid YAML ({_first_line(error)})") from None
-        except ConfigError as error:
-            raise ConfigError(f"config {path}: {error}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config {path}: expected a mapping at the top level")
-    if "seed" in data and "seeds" in data:
-        raise ConfigError(f"config {path}: give seed or seeds, not both")
-    # A seed given as an override replaces the file's seeds, and seeds its seed.
-    for key, other in (("seed", "seeds"), ("seeds", "seed")):
-        if overrides.get(key) is not None:
-            if overrides.get(other) is not None:
-                raise ConfigError("give seed or seeds, not both")
-            data.pop(other, None)
-    name = data.pop("experiment", DEFAULT_EXPERIMENT)
-    if not isinstance(name, str):
-        raise ConfigError(f"config key 'experiment' must be an experiment name, got {name!r}")
-    experiment = get(name)
-    for dotted, value in overrides.items():
-        if value is not None:
-            _override(data, dotted, value)
-    return experiment, _build(experiment.config_class, data, "").validate()
-
-
-class _UniqueKeysLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in a mapping (YAML keeps the last
-    silently, so a second ``record:`` would drop every key of the first)."""
-
-
-def _unique_keys_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in seen:
-            line = key_node.start_mark.line + 1
-            raise ConfigError(f"key {key!r} is given twice in one mapping (line {line})")
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_UniqueKeysLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys_mapping
-)
-
-
-def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for depth, parent in enumerate(parents):
-        data = data.setdefault(parent, {})
-        if not isinstance(data, dict):
-            raise ConfigError(f"config key {'.'.join(parents[: depth + 1])!r} must be a mapping")
-    data[leaf] = value
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; known: {', '.join(known)}")
-    values = {}
-    for name, value in data.items():
-        default = getattr(cls(), name)
-        key = f"{prefix}{name}"
-        if dataclasses.is_dataclass(default):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key {key!r} must be a mapping")
-            values[name] = _build(type(default), value, f"{key}.")
-        else:
-            values[name] = _checked(key, value, default)
-    return cls(**values)
-
-
-def _checked(key: str, value: Any, default: Any) -> Any:
-    if isinstance(default, bool) and not isinstance(value, bool):
-        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
-    if isinstance(default, int) and not isinstance(default, bool):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
-        if abs(value) > _INT64_MAX:  # torch, numpy and HDF5 hold 64 bits
-            raise ConfigError(f"config key {key!r} must fit in 64 bits, got {value}")
-    if isinstance(default, float):
-        value = _yaml_float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
-        return float(value)
-    if isinstance(default, dict) and not isinstance(value, dict):
-        raise ConfigError(f"config key {key!r} must be a mapping, got {value!r}")
-    return value
-
-
-def _yaml_float(value: Any) -> Any:
-    # YAML 1.1 reads 1e-3 (no dot) as a string; accept it as the number it plainly is.
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0]

@@ -1,113 +1,65 @@
 """The experiments ``dynamics run`` trains, found by the name in a config's ``experiment:`` key.
 
-A new experiment is a module that subclasses :class:`Experiment` and calls :func:`register` on
-an instance at import; naming that module in :func:`_register_builtins` makes it a built-in. The
-runner and the CLI need no change.
+The built-ins are a table of ``name -> "module:class"`` (:data:`BUILTINS`), imported on first
+use: nothing here imports an experiment, so the experiments may import what they need from the
+package without an import circle, and rebuilding a recorded module by its class path loads no
+recorder or probe. An experiment defined elsewhere (a user's, a test's) is made known with
+:func:`register`.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, TypeVar
+import importlib
 
 from dynamics.errors import DynamicsError
+from dynamics.experiments.experiment import Experiment
 
-if TYPE_CHECKING:
-    import pytorch_lightning as pl
+#: The built-in experiments: config name -> ``"module:class"`` of its :class:`Experiment`.
+BUILTINS: dict[str, str] = {
+    "teacher_student": "dynamics.experiments.teacher_student.experiment:TeacherStudent",
+    "autoencoder": "dynamics.experiments.autoencoder.experiment:Autoencoder",
+    "char_gpt": "dynamics.experiments.char_gpt.experiment:CharGPTExperiment",
+    "vit_digits": "dynamics.experiments.vit_digits.experiment:ViTDigitsExperiment",
+}
 
-    from dynamics.callbacks.probe import Probe
-    from dynamics.experiments.config import ExperimentConfig
-
-ConfigT = TypeVar("ConfigT", bound="ExperimentConfig")
-
-
-class Built(NamedTuple):
-    """What one variant trains: its module and its data."""
-
-    module: pl.LightningModule
-    data: pl.LightningDataModule
-
-
-@dataclass(frozen=True)
-class Recording:
-    """What one variant's recorder records, and how often it flushes."""
-
-    probes: list[Probe]
-    flush_interval_s: float = 5.0
-
-
-class Experiment(ABC, Generic[ConfigT]):
-    """An experiment: its config, its variants, and how each variant is built and recorded.
-
-    Each variant is trained for ``config.steps`` steps into ``<out>/<variant>.h5``, with
-    held-out evaluation every ``config.eval_every`` steps; all variants must share θ0. The
-    summary reads each run's ``loss`` series (:class:`~dynamics.callbacks.TrainingLoss`) and
-    its logged ``val_loss`` (:class:`~dynamics.callbacks.LoggedMetrics`).
-
-    Attributes:
-        name: the value of a config's ``experiment:`` key.
-        config_class: the config dataclass; every field has a default.
-        setting: what tells the variants apart (the summary's column header), e.g. ``"shift"``.
-    """
-
-    name: ClassVar[str]
-    config_class: ClassVar[type[ExperimentConfig]]
-    setting: ClassVar[str]
-
-    @abstractmethod
-    def variants(self, config: ConfigT) -> Mapping[str, object]:
-        """``{variant name: its setting}``, in training order."""
-
-    @abstractmethod
-    def build(self, config: ConfigT, variant: str) -> Built:
-        """The module and data of one variant, untrained."""
-
-    @abstractmethod
-    def recordings(self, config: ConfigT, built: Mapping[str, Built]) -> dict[str, Recording]:
-        """What each variant records, given every variant built and none trained yet.
-
-        Anything the variants' recordings share (a plane spanned by their initial gradients)
-        is computed here, before the first variant trains.
-        """
-
-
+#: Experiments in use: the built-ins once asked for, and every registered one.
 _EXPERIMENTS: dict[str, Experiment] = {}
 
 
 def register(experiment: Experiment) -> Experiment:
     """Make ``experiment`` available to configs under ``experiment.name``; returns it.
 
+    Example::
+
+        MY_EXPERIMENT = register(MyExperiment())  # configs then say `experiment: mine`
+
     Raises:
-        ValueError: another experiment is registered under that name (a programming error).
+        ValueError: another experiment has that name (a programming error).
     """
-    if experiment.name in _EXPERIMENTS:
+    if experiment.name in _EXPERIMENTS or experiment.name in BUILTINS:
         raise ValueError(f"an experiment named {experiment.name!r} is already registered")
     _EXPERIMENTS[experiment.name] = experiment
     return experiment
 
 
 def get(name: str) -> Experiment:
-    """The experiment registered under ``name``.
+    """The experiment registered under ``name`` (a built-in is imported on first use).
+
+    Example::
+
+        experiment = get("teacher_student")
 
     Raises:
         DynamicsError: no experiment has that name (the message lists the known ones).
     """
-    _register_builtins()
     if name not in _EXPERIMENTS:
-        raise DynamicsError(
-            f"unknown experiment {name!r}; known: {', '.join(sorted(_EXPERIMENTS))}"
-        )
+        if name not in BUILTINS:
+            raise DynamicsError(f"unknown experiment {name!r}; known: {', '.join(known())}")
+        module, _, attribute = BUILTINS[name].partition(":")
+        _EXPERIMENTS[name] = getattr(importlib.import_module(module), attribute)()
     return _EXPERIMENTS[name]
 
 
-def _register_builtins() -> None:
-    # Imported on first use, not with the package: rebuilding a recorded module by its class
-    # path imports dynamics.experiments, which should not load the recorder and its probes.
-    from dynamics.experiments import (  # noqa: F401
-        autoencoder_experiment,
-        char_gpt_experiment,
-        teacher_student_experiment,
-        vit_digits_experiment,
-    )
+def known() -> list[str]:
+    """The names of every experiment, built-in or registered, sorted."""
+    return sorted({*BUILTINS, *_EXPERIMENTS})

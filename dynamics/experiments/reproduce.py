@@ -19,10 +19,11 @@ from dynamics.analysis.output import check_existing_output, check_output
 from dynamics.analysis.pages.group_comparison import write_group_comparison
 from dynamics.analysis.pages.page import Written
 from dynamics.errors import DynamicsError
-from dynamics.experiments.config import ExperimentConfig, load_config
+from dynamics.experiments.config import ExperimentConfig
+from dynamics.experiments.config_files import configs_folder, load_config
+from dynamics.experiments.experiment import Experiment
 from dynamics.experiments.paper.claims import ClaimResult, evaluate_claims
 from dynamics.experiments.paper.reproduction_page import ExperimentRecord, write_reproduction
-from dynamics.experiments.registry import Experiment
 from dynamics.experiments.seed_runs import RunFailure, check_outputs, run_seeds
 
 __all__ = ["FULL", "QUICK", "REPORT", "Reproduction", "Stage", "reproduce"]
@@ -103,7 +104,7 @@ def reproduce(
     quick: bool = False,
     jobs: int | None = None,
     overwrite: bool = False,
-    configs: str | Path = "configs",
+    configs: str | Path | None = None,
     only: list[str] | None = None,
     steps: int | None = None,
     seeds: list[int] | None = None,
@@ -117,7 +118,7 @@ def reproduce(
         quick: the quick plan.
         jobs: runs at a time (the seed runner's ``jobs``).
         overwrite: replace existing outputs.
-        configs: the folder of the config files.
+        configs: the folder of the config files; default: the shipped configs.
         only: run these experiments alone; the others' claims are "not run".
         steps: every experiment trains this many steps, evaluating every ``steps //
             EVALUATIONS`` steps (at least 1).
@@ -131,6 +132,7 @@ def reproduce(
     """
     start = time.monotonic()
     out_dir = Path(out_dir)
+    configs = configs_folder() if configs is None else Path(configs)
     plan = QUICK if quick else FULL
     known = [stage.key for stage in plan]
     unknown = sorted(set(only or ()) - set(known))

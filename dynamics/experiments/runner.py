@@ -17,8 +17,8 @@ from dynamics.analysis.output import check_existing_output
 from dynamics.callbacks import DynamicsRecorder
 from dynamics.errors import DynamicsError
 from dynamics.experiments.config import ExperimentConfig
+from dynamics.experiments.experiment import Built, Experiment, Recording
 from dynamics.experiments.progress import ReturnedLossBar
-from dynamics.experiments.registry import Built, Experiment, Recording
 from dynamics.store import Metric, RunFileError, RunLock, open_run
 
 #: Train losses averaged for the summary's "final train loss" (single batches are noisy).
@@ -60,6 +60,12 @@ def run_experiment(
     interrupt), the run files and folders this call created are removed, so the same command
     can be retried; a file that existed before is never removed (with ``overwrite``, a replaced
     one keeps the failed run's record).
+
+    Example::
+
+        experiment, config = load_config("teacher_student", steps=200)
+        for result in run_experiment(experiment, config, "runs/demo"):
+            print(result.name, result.final_heldout_loss, result.path)
 
     Raises:
         DynamicsError: an output exists and ``overwrite`` is false, or may not be replaced at

@@ -36,10 +36,10 @@ import torch
 from dynamics.analysis.measures.run_comparison import loss_crossover
 from dynamics.analysis.measures.seed_groups import overtaking_step
 from dynamics.analysis.output import check_existing_output, write_atomically
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 from dynamics.experiments import runner
 from dynamics.experiments.config import ExperimentConfig
-from dynamics.experiments.registry import Built, Experiment, Recording
+from dynamics.experiments.experiment import Built, Experiment, Recording
 from dynamics.store import RunLock, open_run
 from dynamics.system import available_cores
 
@@ -92,6 +92,12 @@ def run_seeds(
     """Train every variant of ``config`` for each of ``config.seeds`` into
     ``out_dir/<variant>/seed<k>.h5`` and write the summary to ``out_dir/summary.json``.
 
+    Example::
+
+        experiment, config = load_config("teacher_student", seeds="0-4", steps=500)
+        group = run_seeds(experiment, config, "runs/seeds", jobs=2)
+        group.summary["crossover"]  # per shifted variant: the step it overtakes for good
+
     Args:
         jobs: runs at a time, each in its own process (1: one after the other, in this one);
             default: the available cores over ``config.threads``, at most one per run.
@@ -104,8 +110,8 @@ def run_seeds(
     Raises:
         DynamicsError: before anything trains: an output exists and ``overwrite`` is false, a
             variant folder holds a seed file outside ``config.seeds`` (a group folder holds one
-            group), ``jobs`` is out of range, an output is being written by another run, or a
-            seed cannot be set up (every seed is planned first).
+            group), ``jobs`` is out of range (a ParameterError), an output is being written by
+            another run, or a seed cannot be set up (every seed is planned first).
     """
     if not config.seeds:
         raise DynamicsError("no seeds to run: give seeds (or use run_experiment for one seed)")
@@ -116,7 +122,7 @@ def run_seeds(
     if jobs is None:
         jobs = max(1, min(len(runs), cores // config.threads))
     if not 1 <= jobs <= cores:
-        raise DynamicsError(f"--jobs must be from 1 to this machine's {cores} cores, got {jobs}")
+        raise ParameterError("jobs", f"must be from 1 to this machine's {cores} cores, got {jobs}")
     paths = check_outputs(experiment, config, out_dir, overwrite)
     summary_path = out_dir / SUMMARY
     new_folders = [f for f in (*(out_dir / v for v in variants), out_dir, *out_dir.parents)]
@@ -230,7 +236,7 @@ def _check_group_folders(out_dir: Path, variants: list[str], ours: set[Path]) ->
             if stray:
                 raise DynamicsError(
                     f"{stray[0]} is not one of this command's seeds; a group folder holds one "
-                    "group: choose another --out or remove it"
+                    "group: choose another output folder or remove it"
                 )
 
 

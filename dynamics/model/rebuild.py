@@ -62,6 +62,31 @@ from dynamics.params.vectors import load_state
 from dynamics.store import Run, names
 from dynamics.system import available_bytes, check_fits
 
+#: Classes that moved, by the class path older run files record -> where the class is now, so
+#: a run recorded before a move still rebuilds: the one place a rename is written down (the old
+#: paths are old on purpose; no import-path rewrite may touch them).
+RENAMED_CLASSES: dict[str, str] = {
+    # issue 23: dynamics/models.py split into the experiments' folders, one per experiment
+    "dynamics.models.ResidualMLP": "dynamics.experiments.teacher_student.model.ResidualMLP",
+    "dynamics.models.ResidualBlock": "dynamics.experiments.teacher_student.model.ResidualBlock",
+    "dynamics.models.CharGPT": "dynamics.experiments.char_gpt.model.CharGPT",
+    "dynamics.models.ViT": "dynamics.experiments.vit_digits.model.ViT",
+    "dynamics.models.TransformerBlock": "dynamics.experiments.transformer.TransformerBlock",
+    "dynamics.models.SelfAttention": "dynamics.experiments.transformer.SelfAttention",
+    "dynamics.experiments.teacher_student.TeacherStudentModule": (
+        "dynamics.experiments.teacher_student.module.TeacherStudentModule"
+    ),
+    "dynamics.experiments.char_gpt.CharGPTModule": (
+        "dynamics.experiments.char_gpt.module.CharGPTModule"
+    ),
+    "dynamics.experiments.vit_digits.ViTDigitsModule": (
+        "dynamics.experiments.vit_digits.module.ViTDigitsModule"
+    ),
+    "dynamics.experiments.autoencoder.AutoencoderModule": (
+        "dynamics.experiments.autoencoder.module.AutoencoderModule"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class RunInitArgs:
@@ -459,6 +484,7 @@ def _check_trusted(run: Run, class_path: str) -> None:
 def _recorded_class(run: Run, class_path: str, trusted: bool) -> Any:
     if not class_path:
         raise DynamicsError(f"{run.path.name}: no model class recorded; pass --model")
+    class_path = RENAMED_CLASSES.get(class_path, class_path)
     module_name, _, qualname = class_path.partition(".")
     if module_name == "__main__":
         raise DynamicsError(

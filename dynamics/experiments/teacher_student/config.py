@@ -5,15 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dynamics.bias.activations import ACTIVATIONS
-from dynamics.experiments.config import (
-    ConfigError,
-    ExperimentConfig,
-    check_positive,
-    check_seeds,
-    check_shift_variants,
-    check_shifts,
-)
-from dynamics.experiments.teacher_student import OPTIMIZERS, parameter_count
+from dynamics.experiments.config import ConfigError, check_positive, check_seeds, check_shifts
+from dynamics.experiments.shift_experiment import ShiftConfig
+from dynamics.experiments.teacher_student.model import parameter_count
+from dynamics.experiments.teacher_student.module import OPTIMIZERS
 from dynamics.system import check_fits
 
 
@@ -42,29 +37,21 @@ class DataConfig:
 
 
 @dataclass
-class RecordConfig:
-    every_n_steps: int = 1
-    snapshot_budget_mb: float = 32.0
-    flush_interval_s: float = 5.0
-    hessian_top_k: int = 5  # 0 records no Hessian spectrum
-    hessian_every_n_steps: int = 100
+class TeacherStudentConfig(ShiftConfig):
+    """One comparison: students that differ only in their activation shift (the record section
+    and the variants are :class:`~dynamics.experiments.shift_experiment.ShiftConfig`'s).
 
+    Example::
 
-@dataclass
-class TeacherStudentConfig(ExperimentConfig):
-    """One comparison: students that differ only in their activation shift.
-
-    Attributes:
-        variants: ``{name: shift}``; each becomes ``<out>/<name>.h5``.
+        experiment, config = load_config("teacher_student", steps=200)
+        config.model.width, config.variants  # 64, {"unshifted": "none", "shifted": "expected"}
     """
+
+    variant_kind = "student"
 
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    record: RecordConfig = field(default_factory=RecordConfig)
-    variants: dict[str, str | float] = field(
-        default_factory=lambda: {"unshifted": "none", "shifted": "expected"}
-    )
 
     def validate(self) -> TeacherStudentConfig:
         super().validate()
@@ -75,32 +62,18 @@ class TeacherStudentConfig(ExperimentConfig):
                 "model.expansion": self.model.expansion,
                 "data.batch_size": self.data.batch_size,
                 "data.heldout_size": self.data.heldout_size,
-                "record.every_n_steps": self.record.every_n_steps,
-                "record.hessian_every_n_steps": self.record.hessian_every_n_steps,
             }
         )
         check_seeds(
             {"data.teacher_seed": self.data.teacher_seed, "data.data_seed": self.data.data_seed}
         )
-        record = self.record
-        if record.hessian_top_k < 0:
-            raise ConfigError(f"record.hessian_top_k must be >= 0, got {record.hessian_top_k}")
-        for key, value in (
-            ("optimizer.lr", self.optimizer.lr),
-            ("record.flush_interval_s", record.flush_interval_s),
-        ):
-            if value <= 0:
-                raise ConfigError(f"{key} must be > 0, got {value}")
-        if record.snapshot_budget_mb < 0:
-            raise ConfigError(
-                f"record.snapshot_budget_mb must be >= 0, got {record.snapshot_budget_mb}"
-            )
+        if self.optimizer.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
         choices = {"model.activation": (self.model.activation, ACTIVATIONS)}
         choices["optimizer.name"] = (self.optimizer.name, OPTIMIZERS)
         for key, (value, known) in choices.items():
             if value not in known:
                 raise ConfigError(f"{key} must be one of {', '.join(known)}, got {value!r}")
-        check_shift_variants(self.variants, "student")
         check_shifts({"data.teacher_shift": self.data.teacher_shift})
         self._check_size()
         return self

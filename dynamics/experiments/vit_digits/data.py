@@ -1,5 +1,4 @@
-"""A small vision transformer classifying scikit-learn's 8×8 digits (seed 002, §4's ViT-B on
-ImageNet-1K, in miniature).
+"""The digits experiment's data: scikit-learn's labelled 8×8 digits.
 
 The digits ship with scikit-learn (``sklearn.datasets.load_digits``): 1,797 images, nothing to
 download. The model reads the 8×8 image itself, cut into non-overlapping patches (2×2 by
@@ -13,75 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
-
-from dynamics.experiments.variants import shifted_network
-from dynamics.models import MLP_ACTIVATIONS, ViT
 
 #: The split's seed: the same held-out images for every config.
 _SPLIT_SEED = 0
 #: The 1,797 digits of scikit-learn.
 DIGITS = 1797
-
-
-class ViTDigitsModule(pl.LightningModule):
-    """Digit classification with :class:`~dynamics.models.ViT`, cross-entropy loss; logs
-    ``val_loss`` and ``val_acc`` (held-out top-1 accuracy).
-
-    Args:
-        patch_size: side of a patch of the 8×8 image (1, 2, 4 or 8).
-        width: residual-stream width.
-        depth: number of transformer blocks.
-        heads: attention heads.
-        activation: MLP activation.
-        shift: ``"none"``, or the shift :func:`dynamics.bias.shift_activations` applies to every
-            MLP activation (``"adaptive"``: Eq. 9, each token's mean over the hidden features
-            subtracted; ``"expected"`` or a number: a constant).
-        seed: initialization seed (equal seeds give equal θ0 whatever the shift).
-        lr: AdamW learning rate.
-    """
-
-    def __init__(
-        self,
-        patch_size: int = 2,
-        width: int = 64,
-        depth: int = 4,
-        heads: int = 4,
-        activation: str = "gelu",
-        shift: str | float = "none",
-        seed: int = 0,
-        lr: float = 1e-3,
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.model = shifted_network(
-            lambda: ViT(8, patch_size, 1, 10, width, depth, heads, activation),
-            seed,
-            shift,
-            include=[MLP_ACTIVATIONS],
-        )
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(images)
-
-    def dynamics_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        images, labels = batch
-        return F.cross_entropy(self.model(images), labels)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
-        loss = self.dynamics_loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        images, labels = batch
-        logits = self.model(images)
-        self.log("val_loss", F.cross_entropy(logits, labels))
-        self.log("val_acc", (logits.argmax(dim=1) == labels).float().mean())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
 def labelled_digits(heldout: bool, heldout_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +40,12 @@ def labelled_digits(heldout: bool, heldout_size: int) -> tuple[torch.Tensor, tor
 
 class LabelledDigitsData(pl.LightningDataModule):
     """Shuffled training batches (seeded) and the held-out digits in one batch.
+
+    Example::
+
+        data = LabelledDigitsData(batch_size=64)
+        data.setup("fit")
+        images, labels = next(iter(data.train_dataloader()))  # (64, 1, 8, 8), (64,)
 
     Args:
         batch_size: training images per batch.

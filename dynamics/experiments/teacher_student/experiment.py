@@ -18,10 +18,11 @@ from dynamics.callbacks import (
     TrainingLoss,
 )
 from dynamics.errors import DynamicsError
-from dynamics.experiments.registry import Built, Experiment, Recording, register
-from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
-from dynamics.experiments.teacher_student_config import TeacherStudentConfig
-from dynamics.experiments.variants import hessian_probes
+from dynamics.experiments.experiment import Built, Recording
+from dynamics.experiments.shift_experiment import ShiftExperiment, hessian_probes
+from dynamics.experiments.teacher_student.config import TeacherStudentConfig
+from dynamics.experiments.teacher_student.data import TeacherStudentData
+from dynamics.experiments.teacher_student.module import TeacherStudentModule
 from dynamics.geometry.plane import Plane, plane_from_gradients
 from dynamics.params.layout import ParameterLayout
 from dynamics.params.vectors import parameter_vector
@@ -29,25 +30,36 @@ from dynamics.passes.initial_gradient import initial_gradient
 from dynamics.store import names
 
 
-class TeacherStudent(Experiment[TeacherStudentConfig]):
-    """Students regressing one teacher, one per activation shift in ``config.variants``."""
+class TeacherStudent(ShiftExperiment[TeacherStudentConfig]):
+    """Students regressing one teacher, one per activation shift in ``config.variants``.
+
+    Example::
+
+        experiment, config = load_config("teacher_student", steps=200)
+        run_experiment(experiment, config, "runs/demo")  # runs/demo/{unshifted,shifted}.h5
+    """
 
     name = "teacher_student"
     config_class = TeacherStudentConfig
-    setting = "shift"
 
-    def variants(self, config: TeacherStudentConfig) -> Mapping[str, str | float]:
-        return config.variants
-
-    def build(self, config: TeacherStudentConfig, variant: str) -> Built:
-        student = TeacherStudentModule(
+    def module(self, config: TeacherStudentConfig, shift: str | float) -> TeacherStudentModule:
+        return TeacherStudentModule(
             **vars(config.model),
-            shift=config.variants[variant],
+            shift=shift,
             seed=config.seed,
             lr=config.optimizer.lr,
             optimizer=config.optimizer.name,
         )
-        return Built(student, _data(config))
+
+    def data(self, config: TeacherStudentConfig) -> TeacherStudentData:
+        return TeacherStudentData(
+            **vars(config.model),
+            shift=config.data.teacher_shift,
+            teacher_seed=config.data.teacher_seed,
+            data_seed=config.data.data_seed,
+            batch_size=config.data.batch_size,
+            heldout_size=config.data.heldout_size,
+        )
 
     def recordings(
         self, config: TeacherStudentConfig, built: Mapping[str, Built]
@@ -73,17 +85,6 @@ class TeacherStudent(Experiment[TeacherStudentConfig]):
         return recordings
 
 
-def _data(config: TeacherStudentConfig) -> TeacherStudentData:
-    return TeacherStudentData(
-        **vars(config.model),
-        shift=config.data.teacher_shift,
-        teacher_seed=config.data.teacher_seed,
-        data_seed=config.data.data_seed,
-        batch_size=config.data.batch_size,
-        heldout_size=config.data.heldout_size,
-    )
-
-
 def _initial_gradient_plane(built: Mapping[str, Built], probe_batch: Any) -> Plane | None:
     """The plane of the first two students' initial gradients, before either trains.
 
@@ -105,6 +106,3 @@ def _initial_gradient_plane(built: Mapping[str, Built], probe_batch: Any) -> Pla
     # that the loss overflows.
     except (ValueError, FloatingPointError) as error:
         raise DynamicsError(f"variants {pair[0]} and {pair[1]}: {error}") from None
-
-
-register(TeacherStudent())

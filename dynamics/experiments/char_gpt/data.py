@@ -1,4 +1,4 @@
-"""A character (byte) language model on the standard library's own source, which ships with Python.
+"""The character experiment's text: the standard library's own source, which ships with Python.
 
 The text is every ``.py`` file of the running Python's standard library (``sysconfig``'s
 ``stdlib`` path), read in sorted order; files are split between training and held-out text by a
@@ -8,7 +8,6 @@ hash of their name, so the split is the same on every machine with the same Pyth
 from __future__ import annotations
 
 import hashlib
-import math
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
-
-from dynamics.experiments.variants import shifted_network
-from dynamics.models import MLP_ACTIVATIONS, CharGPT
 
 
 def stdlib_text(heldout: bool, max_bytes: int) -> np.ndarray:
@@ -43,64 +38,6 @@ def stdlib_text(heldout: bool, max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
-class CharGPTModule(pl.LightningModule):
-    """Next-byte prediction with :class:`~dynamics.models.CharGPT`; logs ``val_loss`` and
-    ``val_bpc`` (bits per character).
-
-    Args:
-        context: sequence length.
-        width: residual-stream width.
-        depth: number of transformer blocks.
-        heads: attention heads.
-        activation: MLP activation.
-        shift: ``"none"``, or the shift :func:`dynamics.bias.shift_activations` applies to every
-            MLP activation (``"adaptive"``: Eq. 9, each token's mean over the hidden features
-            subtracted; ``"expected"`` or a number: a constant).
-        seed: initialization seed (equal seeds give equal θ0 whatever the shift).
-        lr: AdamW learning rate.
-    """
-
-    def __init__(
-        self,
-        context: int = 64,
-        width: int = 64,
-        depth: int = 2,
-        heads: int = 4,
-        activation: str = "gelu",
-        shift: str | float = "none",
-        seed: int = 0,
-        lr: float = 1e-3,
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.model = shifted_network(
-            lambda: CharGPT(256, context, width, depth, heads, activation),
-            seed,
-            shift,
-            include=[MLP_ACTIVATIONS],
-        )
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
-
-    def dynamics_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        tokens, targets = batch
-        return F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
-        loss = self.dynamics_loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        loss = self.dynamics_loss(batch)
-        self.log("val_loss", loss, prog_bar=True)
-        self.log("val_bpc", loss / math.log(2))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-
-
 class _Windows(IterableDataset):
     """Endless batches of random windows of ``text`` from a seeded generator."""
 
@@ -120,6 +57,12 @@ class _Windows(IterableDataset):
 
 class StdlibTextData(pl.LightningDataModule):
     """Random training windows and fixed held-out windows of the standard library's source.
+
+    Example::
+
+        data = StdlibTextData(context=64, batch_size=32)
+        data.setup("fit")
+        tokens, targets = next(iter(data.train_dataloader()))  # targets: tokens shifted by one
 
     Args:
         context: sequence length (must match the model's).
