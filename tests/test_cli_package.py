@@ -45,7 +45,7 @@ def test_a_parameter_error_is_printed_with_its_flag(capsys, monkeypatch):
     assert capsys.readouterr().err == "dynamics: error: --grid must be at least 2, got 1\n"
 
 
-def test_a_quoted_parameter_error_is_spelled_as_the_flag_inside_its_wrapper():
+def test_parameters_a_message_quotes_are_spelled_as_their_flags():
     def wrapped() -> DynamicsError:
         try:
             raise ParameterError("model", "m:M: no such file m.py")
@@ -58,6 +58,15 @@ def test_a_quoted_parameter_error_is_spelled_as_the_flag_inside_its_wrapper():
     assert (
         error_line(wrapped())
         == "a.h5: --model m:M: no such file m.py; the other run stored its views"
+    )
+    model = ParameterError("model", "path/to/file.py:Net")
+    trust = ParameterError("trust_recorded_model", "if you trust this file")
+    advice = DynamicsError(
+        f"a.h5: outside the installed packages; name it with {model}, or pass {trust}"
+    )
+    assert error_line(advice.quoting(model, trust)) == (
+        "a.h5: outside the installed packages; name it with --model path/to/file.py:Net, "
+        "or pass --trust-recorded-model if you trust this file"
     )
     # a parameter no flag feeds keeps the library's name
     assert error_line(ParameterError("dtype", "must be floating")) == "dtype must be floating"

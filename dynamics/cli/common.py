@@ -63,15 +63,18 @@ class Parser(argparse.ArgumentParser):
 
 
 def error_line(error: DynamicsError) -> str:
-    """``error``'s message with each parameter spelled as its flag (:data:`FLAG_OF`), also a
-    parameter error that a library wrapper quotes in its own message (its context)."""
+    """``error``'s message with each parameter spelled as its flag (:data:`FLAG_OF`): the
+    parameter of a :class:`~dynamics.errors.ParameterError`, those a message quotes
+    (:meth:`~dynamics.errors.DynamicsError.quoting`), and those of an error that a library
+    wrapper quotes in its own message (the wrapper's context)."""
     text, seen = str(error), set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, ParameterError) and cause.parameter in FLAG_OF:
-            text = text.replace(str(cause), cause.naming(FLAG_OF[cause.parameter]))
-        cause = cause.__cause__ or cause.__context__
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        for quoted in (link, *getattr(link, "quoted", ())):
+            if isinstance(quoted, ParameterError) and quoted.parameter in FLAG_OF:
+                text = text.replace(str(quoted), quoted.naming(FLAG_OF[quoted.parameter]))
+        link = link.__cause__ or link.__context__
     return text
 
 
