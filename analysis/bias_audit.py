@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from dynamics.analysis.page import html_table
-from dynamics.bias_audit_result import SETTINGS_KEY, AuditResult
+from dynamics.bias.audit_result import SETTINGS_KEY, AuditResult
 from dynamics.store import Run, names
 
 __all__ = ["bias_audit_html", "recorded_audit"]

@@ -76,7 +76,7 @@ from dynamics.errors import DynamicsError
 from dynamics.store import Metric, Run, names, open_run, run_files
 
 if TYPE_CHECKING:
-    from dynamics.rebuild import RunInitArgs
+    from dynamics.model.rebuild import RunInitArgs
 
 __all__ = ["write_comparison"]
 
@@ -108,7 +108,7 @@ def write_comparison(
             see :mod:`dynamics.analysis.loss_barrier`. A run whose model cannot be rebuilt
             gets a one-line remark instead.
         model: build the runs' models with this class or factory instead of the recorded one
-            (see :func:`~dynamics.rebuild.rebuild_module`).
+            (see :func:`~dynamics.model.rebuild.rebuild_module`).
         init_args: init args of the loss barriers' rebuilt models (see
             :func:`~dynamics.analysis.loss_barrier.loss_barriers`).
         trust_recorded_model: import a recorded class from outside the installed packages.

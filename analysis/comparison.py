@@ -30,7 +30,7 @@ from numpy.typing import ArrayLike
 
 from dynamics.analysis.run_setup import data_text
 from dynamics.analysis.smoothing import moving_average
-from dynamics.bias_audit_result import SETTINGS_KEY as AUDIT_SETTINGS_KEY
+from dynamics.bias.audit_result import SETTINGS_KEY as AUDIT_SETTINGS_KEY
 from dynamics.store import Metric, Run, names
 
 __all__ = [

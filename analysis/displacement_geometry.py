@@ -68,7 +68,7 @@ def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | st
     # Imported only now: they import torch, which a compare of runs without snapshots, like
     # every offline view, never loads.
     from dynamics.analysis.plane_views import choose_plane, stored_checkpoints
-    from dynamics.plane import in_plane_shares, project
+    from dynamics.geometry.plane import in_plane_shares, project
 
     (steps_a, thetas_a), (steps_b, thetas_b) = map(stored_checkpoints, (reference, run))
     steps, ia, ib = np.intersect1d(steps_a, steps_b, return_indices=True)

@@ -2,7 +2,8 @@
 
 ``HessianSpectrum(vector_budget_mb=...)`` stores the top-k eigenvectors at thinned records; two
 runs of one architecture (one parameter layout) can then be asked whether their sharp
-directions are the same directions: ``‖V_aᵀ V_b‖²_F / k`` (:mod:`dynamics.subspace_overlap`),
+directions are the same directions: ``‖V_aᵀ V_b‖²_F / k``
+(:mod:`dynamics.geometry.subspace_overlap`),
 1 for one subspace, about ``k/n`` for unrelated ones.
 """
 
@@ -14,8 +15,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from dynamics.analysis.figures import Curve, line_figure
+from dynamics.geometry.subspace_overlap import subspace_overlap
 from dynamics.store import Run, names
-from dynamics.subspace_overlap import subspace_overlap
 
 
 def eigenspace_overlap(a: Run, b: Run) -> tuple[np.ndarray, np.ndarray] | None:

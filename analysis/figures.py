@@ -43,7 +43,7 @@ from dynamics.analysis.run_views import (
     run_overshoot,
     series_views,
 )
-from dynamics.broadening import broadened_density
+from dynamics.curvature.broadening import broadened_density
 from dynamics.errors import DynamicsError
 from dynamics.store import Run, Series, names, open_run
 

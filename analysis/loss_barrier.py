@@ -11,9 +11,10 @@ a ridge.
 
 The loss is the one the plane views draw (:func:`~dynamics.analysis.plane_run.rebuilt_surface`):
 the model rebuilt from the run file, in eval mode, on the stored probe batch, by the loss rule
-of :mod:`dynamics.loss_rule`. A line between two runs uses the reference's model and probe
+of :mod:`dynamics.passes.loss_rule`. A line between two runs uses the reference's model and probe
 batch, and each point the buffers (BatchNorm statistics) of the stored state of either run
-nearest to it (:mod:`dynamics.nearest_buffers`), so each end is evaluated with its own run's
+nearest to it (:mod:`dynamics.geometry.nearest_buffers`), so each end is evaluated with its own
+run's
 final buffers; it is drawn only for runs whose recorded models agree in class, model edits and
 submodules (a shifted and an unshifted network are two loss functions: no line joins them in
 one). A run whose model cannot be rebuilt, that stores no probe batch, θ0 or θT, or whose
@@ -46,12 +47,12 @@ from dynamics.analysis.comparison import NOT_RECORDED, SAME, comparability
 from dynamics.analysis.figures import Curve, line_figure, run_colors
 from dynamics.analysis.page import figure_html, html_table
 from dynamics.errors import DynamicsError, one_line
-from dynamics.memory import available_bytes
 from dynamics.store import Run, names
+from dynamics.system import available_bytes
 
 if TYPE_CHECKING:
-    from dynamics.landscape import LossSurface
-    from dynamics.rebuild import RunInitArgs
+    from dynamics.geometry.landscape import LossSurface
+    from dynamics.model.rebuild import RunInitArgs
 
 #: Points evaluated along each line, the ends included (α = 0, 0.05, ..., 1).
 POINTS = 21
@@ -216,7 +217,7 @@ def _declared_bytes(path: Path) -> int:
 
 
 def line_losses(surface, start: np.ndarray, end: np.ndarray, alphas: np.ndarray) -> np.ndarray:
-    """The loss of ``surface`` (a :class:`~dynamics.landscape.LossSurface`) at
+    """The loss of ``surface`` (a :class:`~dynamics.geometry.landscape.LossSurface`) at
     (1 − α)·start + α·end for each α, the points formed in float64 (the ends exactly)."""
     start, end = np.asarray(start, np.float64), np.asarray(end, np.float64)
     return np.array([surface.loss((1 - alpha) * start + alpha * end) for alpha in alphas])
@@ -241,7 +242,7 @@ def loss_barriers(
         model: build each run's model with this class or factory instead of the recorded one.
         init_args: init args overriding the recorded ones for every run (a mapping), or each
             run's own, which also complete the ones it did not record
-            (:class:`~dynamics.rebuild.RunInitArgs`).
+            (:class:`~dynamics.model.rebuild.RunInitArgs`).
         trust_recorded_model: import a recorded class from outside the installed packages.
         held_out: evaluate every line on this batch instead of the runs' probe batches.
 
@@ -251,7 +252,7 @@ def loss_barriers(
     Raises:
         DynamicsError: ``points`` below 2, a rebuilt model cannot take ``held_out``
             (:class:`~dynamics.analysis.plane_run.BatchRefused`), or a run's init args were
-            neither recorded nor given (:class:`~dynamics.rebuild.MissingInitArgs`).
+            neither recorded nor given (:class:`~dynamics.model.rebuild.MissingInitArgs`).
     """
     if points < 2:
         raise DynamicsError(f"a loss-barrier line needs at least 2 points, got {points}")
@@ -273,7 +274,8 @@ def loss_barriers(
         return Barriers(lines, remarks)
     # Imported only now: a comparison of runs without lines to draw never loads torch.
     from dynamics.analysis.plane_run import BatchRefused, rebuilt_surface
-    from dynamics.rebuild import MissingInitArgs, probe_batch, run_init_args
+    from dynamics.model.probe_batch import probe_batch
+    from dynamics.model.rebuild import MissingInitArgs, run_init_args
 
     init_args = run_init_args(init_args, [run.path for run in runs])
 

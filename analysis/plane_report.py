@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 from dynamics import __version__
 from dynamics.analysis.page import Written, figure_html, html_page, html_table, write_page
 from dynamics.analysis.plane_views import plane_label
-from dynamics.landscape import PlaneView
+from dynamics.geometry.landscape import PlaneView
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 

@@ -32,17 +32,13 @@ from dynamics.analysis.plane_views import (
     views_file,
 )
 from dynamics.errors import DynamicsError, one_line
-from dynamics.landscape import LossSurface
-from dynamics.loss_rule import LossUnavailable, loss_source
-from dynamics.nearest_buffers import NearestBuffers
-from dynamics.rebuild import (
-    MissingInitArgs,
-    RunInitArgs,
-    probe_batch,
-    rebuild_module,
-    run_init_args,
-)
+from dynamics.geometry.landscape import LossSurface
+from dynamics.geometry.nearest_buffers import NearestBuffers
+from dynamics.model.probe_batch import probe_batch
+from dynamics.model.rebuild import MissingInitArgs, RunInitArgs, rebuild_module, run_init_args
+from dynamics.passes.loss_rule import LossUnavailable, loss_source
 from dynamics.store import Run, names, open_run
+from dynamics.system import available_cores
 
 
 class BatchRefused(DynamicsError):
@@ -83,11 +79,6 @@ class _Job:
     remarks: list[str]
 
 
-def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 def write_plane(
     run_a: str | os.PathLike,
     run_b: str | os.PathLike,
@@ -125,12 +116,12 @@ def write_plane(
             cores this process may use.
         progress: one progress bar, with an estimate of the time left, over every evaluation.
         model: build each run's model with this class or factory instead of the recorded
-            class (see :func:`~dynamics.rebuild.rebuild_module`).
+            class (see :func:`~dynamics.model.rebuild.rebuild_module`).
         init_args: init args overriding the recorded ones for both runs (a mapping), or each
             run's own, which also complete the ones it did not record
-            (:class:`~dynamics.rebuild.RunInitArgs`).
+            (:class:`~dynamics.model.rebuild.RunInitArgs`).
         trust_recorded_model: import a recorded class from outside the installed packages
-            (see :func:`~dynamics.rebuild.rebuild_module`).
+            (see :func:`~dynamics.model.rebuild.rebuild_module`).
 
     Raises:
         DynamicsError: ``processes`` below 1, an output that may not be written (or that
@@ -243,9 +234,10 @@ def rebuilt_surface(
 
     Args:
         run: the run whose model and probe batch are used.
-        model: build this class or factory instead (see :func:`~dynamics.rebuild.rebuild_module`).
+        model: build this class or factory instead (see
+        :func:`~dynamics.model.rebuild.rebuild_module`).
         init_args: init args completing or overriding the recorded ones (see
-            :func:`~dynamics.rebuild.rebuild_module`).
+            :func:`~dynamics.model.rebuild.rebuild_module`).
         trust: import a recorded class from outside the installed packages.
         buffers_of: the runs whose stored states supply buffers; default ``run``'s.
         batch: the batch to evaluate on instead of the stored probe batch (on the CPU).

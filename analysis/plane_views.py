@@ -5,7 +5,8 @@ The plane is the one of the two runs' initial gradients, or — for runs whose i
 coincide, or when asked — the plane of the initial gradient and the direction between the
 endpoints, a PCA plane of both runs' snapshots, or a random filter-normalized plane.
 Trajectories come from the run files (snapshots, θT); heatmaps and losses from a
-:class:`~dynamics.landscape.LossSurface` per run (a model rebuilt offline), or from the views a
+:class:`~dynamics.geometry.landscape.LossSurface` per run (a model rebuilt offline), or from the
+views a
 run evaluated in its training process at the end of fit (``GradientPlane(at_end=True)``).
 
 Views are planned first (planes, grids, trajectories), then their grids are evaluated a chunk
@@ -25,7 +26,7 @@ import numpy as np
 
 from dynamics.analysis.output import PLANE_GRID_SCHEMA, replacing
 from dynamics.errors import DynamicsError
-from dynamics.landscape import (
+from dynamics.geometry.landscape import (
     LossSurface,
     PlaneView,
     Progress,
@@ -34,11 +35,12 @@ from dynamics.landscape import (
     in_plane_share,
     trajectory,
 )
-from dynamics.plane import (
+from dynamics.geometry.plane import (
     CollinearGradients,
     Grid,
     Plane,
     covering_grid,
+    missing_plane_data,
     near_paths,
     out_of_plane_view,
     pca_plane,
@@ -46,7 +48,6 @@ from dynamics.plane import (
     plane_from_gradients,
     random_filter_normalized_plane,
 )
-from dynamics.rebuild import missing_plane_data
 from dynamics.store import Run, names
 
 #: The planes ``dynamics plane --plane`` offers; ``auto`` is ``gradients`` unless they coincide.

@@ -30,10 +30,11 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from dynamics.landscape import LossSurface, evaluate_grid
+from dynamics.geometry.landscape import LossSurface, evaluate_grid
+from dynamics.geometry.plane import Grid, Plane, random_filter_normalized_plane
 from dynamics.models import ResidualMLP
-from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.plane import Grid, Plane, random_filter_normalized_plane
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import parameter_vector
 
 GRID_SIDE = 41
 

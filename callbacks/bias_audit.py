@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dynamics.bias.audit import DEFAULT_DRAWS, audit_batch
-from dynamics.bias_audit_result import SETTINGS_KEY
+from dynamics.bias.audit_result import SETTINGS_KEY
 from dynamics.callbacks.probe import Probe, ProbeUnavailable
 from dynamics.callbacks.probe_loss import uncompiled
 from dynamics.errors import DynamicsError, one_line

@@ -31,9 +31,9 @@ from dynamics.callbacks.probe import (
     require_unsharded,
 )
 from dynamics.callbacks.probe_loss import ProbeLoss
-from dynamics.isolation import Mode, side_effect_free
-from dynamics.loss_rule import module_loss
-from dynamics.name_globs import glob_any, glob_match, matched
+from dynamics.params.globs import glob_any, glob_match, matched
+from dynamics.passes.isolation import Mode, side_effect_free
+from dynamics.passes.loss_rule import module_loss
 from dynamics.store import View, names
 
 if TYPE_CHECKING:
@@ -94,8 +94,8 @@ class BiasComponent(Probe):
     full output and with the target.
 
     At each due step, before the step's forward (the row describes θ_step), on a fixed probe
-    batch and inside :func:`~dynamics.isolation.side_effect_free` with gradients off, it runs
-    the module's loss (:mod:`dynamics.loss_rule`) once unchanged (the *full* decode) and, per
+    batch and inside :func:`~dynamics.passes.isolation.side_effect_free` with gradients off, it runs
+    the module's loss (:mod:`dynamics.passes.loss_rule`) once unchanged (the *full* decode) and, per
     layer, twice more with that layer's output replaced through a forward hook by
 
     - the **bias** part: the mean of h across its feature axis, broadcast back along it

@@ -20,8 +20,8 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dynamics.params import compiled_modules, named_submodules
-from dynamics.rebuild import class_path
+from dynamics.model.record import class_path
+from dynamics.params.naming import compiled_modules, named_submodules
 from dynamics.store import names
 
 __all__ = [

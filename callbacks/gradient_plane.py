@@ -11,14 +11,10 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from dynamics.batch_tree import flatten_batch
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss
-from dynamics.initial_gradient import initial_gradient
-from dynamics.isolation import Mode, side_effect_free
-from dynamics.landscape import LossSurface, Trajectory, evaluate_grid, trajectory
-from dynamics.params import ParameterLayout, flatten, parameter_vector, storable, vector_hash
-from dynamics.plane import (
+from dynamics.geometry.landscape import LossSurface, Trajectory, evaluate_grid, trajectory
+from dynamics.geometry.plane import (
     CollinearGradients,
     Plane,
     covering_grid,
@@ -26,18 +22,25 @@ from dynamics.plane import (
     plane_from_gradients,
     project,
 )
+from dynamics.params.batch_tree import flatten_batch
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import flatten, parameter_vector, storable, vector_hash
+from dynamics.passes.initial_gradient import initial_gradient
+from dynamics.passes.isolation import Mode, side_effect_free
 from dynamics.store import RunFileError, names, open_run
 
 
 class GradientPlane(Probe):
     """Stores g0 and the probe batch; records (a, b, r) of θt − θ0 on a known plane.
 
-    g0 is the gradient of the training loss (by the loss rule of :mod:`dynamics.loss_rule`) at
+    g0 is the gradient of the training loss (by the loss rule of :mod:`dynamics.passes.loss_rule`)
+    at
     θ0 on a fixed probe batch — the first training batch unless one is given — with the module in
     ``mode``, computed without touching ``.grad``, the RNG, BatchNorm buffers or train/eval flags;
     under DDP it is the average over ranks. g0 and the probe batch are stored (vectors ``g0`` and
     ``probe_batch.<i>``, with the batch's structure in the settings, see
-    :mod:`dynamics.batch_tree`), so any two runs that share θ0 can later be compared on the plane of
+    :mod:`dynamics.params.batch_tree`), so any two runs that share θ0 can later be compared on the
+    plane of
     their initial gradients; the probe's settings in the file's ``probes`` attribute state the
     mode and where the loss came from. The default ``mode="eval"`` (dropout off, BatchNorm on its
     running statistics) is the mode the plane's loss landscapes are drawn in.
@@ -61,7 +64,8 @@ class GradientPlane(Probe):
     ``grid``×``grid`` grid covering this run's and the partner's trajectories), the Gram–Schmidt
     out-of-plane view, and the trajectory on each with the loss at each checkpoint and at its
     projection. Losses are taken on the probe batch in ``mode``, on a copy of the module with its
-    buffers at the end of fit, inside :func:`~dynamics.isolation.side_effect_free`, so training is
+    buffers at the end of fit, inside :func:`~dynamics.passes.isolation.side_effect_free`, so
+    training is
     not perturbed. The checkpoints are θt at due steps of the plane series, thinned to at most
     ``checkpoints`` (every other one dropped when full), then θT; they are held on the CPU
     (``checkpoints`` parameter vectors). The views are stored as ``plane_end.*`` vectors, which
@@ -72,7 +76,7 @@ class GradientPlane(Probe):
         basis: an explicit plane (as ``dynamics run`` passes both students).
         batch: the probe batch; default: a copy of the first training batch.
         every_n_steps: period of the (a, b, r) series.
-        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
+        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.passes.isolation.Mode` of the module
             while g0 is taken (and the end-of-fit views are evaluated).
         at_end: evaluate the plane views at the end of fit (needs ``partner`` or ``basis``).
         grid: grid points per axis of the end-of-fit heatmaps.

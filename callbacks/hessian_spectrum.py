@@ -22,12 +22,12 @@ from dynamics.curvature import (
     spectral_density,
     track_eigenpairs,
 )
-from dynamics.isolation import Mode, side_effect_free
-from dynamics.loss_rule import loss_at
-from dynamics.params import flatten
+from dynamics.geometry.subspace_overlap import subspace_overlap, update_share
+from dynamics.params.vectors import flatten
+from dynamics.passes.isolation import Mode, side_effect_free
+from dynamics.passes.loss_rule import loss_at
 from dynamics.store import View, names
 from dynamics.store.views import standard_view
-from dynamics.subspace_overlap import subspace_overlap, update_share
 
 # Eigenvectors beyond the top k that the tracking solver carries along: without them the k-th
 # pair of a cluster converges at the rate of its gap to the (k+1)-th eigenvalue, which on the
@@ -43,10 +43,12 @@ class HessianSpectrum(Probe):
     """The top-k Hessian eigenvalues of the training loss on a fixed probe batch.
 
     At every due step the loss of the module on the probe batch — by the loss rule of
-    :mod:`dynamics.loss_rule`, so any LightningModule works unchanged — is differentiated twice
+    :mod:`dynamics.passes.loss_rule`, so any LightningModule works unchanged — is differentiated
+    twice
     and its top-k eigenvalues found by thick-restart Lanczos (:func:`dynamics.curvature.lanczos`),
     started from the previous recorded step's eigenvectors. All of it runs inside
-    :func:`~dynamics.isolation.side_effect_free` with the module in ``mode``, autocast off and
+    :func:`~dynamics.passes.isolation.side_effect_free` with the module in ``mode``, autocast off
+    and
     the parameters in float32 (float64 if the model is float64), whatever the training
     precision; the vector ``hessian_float_bits`` in the run file states which, and the probe's
     settings in the file's ``probes`` attribute state the mode and where the loss came from.
@@ -122,7 +124,7 @@ class HessianSpectrum(Probe):
         warm_start: start each row's Lanczos from the previous row's eigenvectors (kept in
             checkpoints, so a resumed fit's rows equal an uninterrupted one's).
         seed: seed of the random start vectors (the global RNG is never used).
-        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
+        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.passes.isolation.Mode` of the module
             while its Hessian is measured.
         eigenspace_overlap: record ``overlap_previous`` and ``update_share``.
         vector_budget_mb: bytes (MiB) for stored eigenvectors over the fit; 0 stores none.

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.conv import _ConvNd
 
 from dynamics import world
-from dynamics.activations import (
+from dynamics.bias.activations import (
     ACTIVATIONS,
     ShiftedActivation,
     expected_shift,
@@ -34,9 +34,9 @@ from dynamics.callbacks.unit_health import (
     unit_kind,
 )
 from dynamics.callbacks.unit_health import VIEWS as UNIT_VIEWS
-from dynamics.isolation import in_extra_pass, side_effect_free
-from dynamics.loss_rule import module_loss
-from dynamics.name_globs import glob_any, glob_match, matched
+from dynamics.params.globs import glob_any, glob_match, matched
+from dynamics.passes.isolation import in_extra_pass, side_effect_free
+from dynamics.passes.loss_rule import module_loss
 from dynamics.store import names
 from dynamics.store.views import standard_view
 from dynamics.world import Reduce, checked_reduce
@@ -107,8 +107,8 @@ class HiddenStateNorms(Probe):
     **Calls.** A module called more than once per forward (one ``nn.ReLU`` shared by several
     layers, an LSTM model's one ``self.drop`` on the embedding and on the output) gets one
     column per call, ``drop#0``, ``drop#1``, ... in call order: the calls are counted at setup by
-    one loss pass on the first batch (:mod:`dynamics.loss_rule`, train mode, gradients off,
-    inside :func:`~dynamics.isolation.side_effect_free`), since columns are declared before
+    one loss pass on the first batch (:mod:`dynamics.passes.loss_rule`, train mode, gradients off,
+    inside :func:`~dynamics.passes.isolation.side_effect_free`), since columns are declared before
     recording starts. A module later called another number of times (a data-dependent loop),
     or called twice where the calls could not be counted (no loss rule), is refused: its
     columns read NaN from then on, with a warning event saying why. Calls are never averaged.
@@ -166,8 +166,8 @@ class HiddenStateNorms(Probe):
     the run file (``settings()``).
 
     **Activations**: the built-in classes (``ACTIVATION_TYPES``, classes named after
-    ``dynamics.activations.ACTIVATIONS``, and Hugging Face's activation modules,
-    ``dynamics.activations.HF_ACTIVATIONS``, with their expected shift E[φ(z)] stored) plus any
+    ``dynamics.bias.activations.ACTIVATIONS``, and Hugging Face's activation modules,
+    ``dynamics.bias.activations.HF_ACTIVATIONS``, with their expected shift E[φ(z)] stored) plus any
     module the user marks by class
     (``activation_types``) or name pattern (``activation_modules``), e.g. a hand-written
     ``CenteredGELU(nn.Module)``. Functional calls (``F.gelu(x)`` inside a ``forward``) have no

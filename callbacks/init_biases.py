@@ -8,7 +8,7 @@ from pytorch_lightning.callbacks import Callback
 from dynamics.bias.init import BiasSet, check_recipe, init_biases
 from dynamics.callbacks.fit_description import plain
 from dynamics.errors import DynamicsError
-from dynamics.rebuild import builds_in_configure_model, class_path
+from dynamics.model.record import builds_in_configure_model, class_path
 from dynamics.store import names
 
 

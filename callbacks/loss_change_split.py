@@ -12,10 +12,10 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
 from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
-from dynamics.isolation import Mode, side_effect_free
-from dynamics.loss_change import LossChange, split_loss_change
-from dynamics.loss_rule import loss_at
-from dynamics.parameter_groups import Grouping, ParameterGroups, group_parameters
+from dynamics.params.groups import Grouping, ParameterGroups, group_parameters
+from dynamics.passes.isolation import Mode, side_effect_free
+from dynamics.passes.loss_change import LossChange, split_loss_change
+from dynamics.passes.loss_rule import loss_at
 from dynamics.store import View, names
 
 #: How the series are drawn (declared with them: no file written before them needs a table).
@@ -41,12 +41,13 @@ class LossChangeSplit(Probe):
     momentum, Adam's scaling, weight decay, every micro-batch of an accumulated step — the
     change ΔL = L(θ + Δθ) − L(θ) of the loss on a fixed probe batch is split as
     ΔL = Σ_g ∫₀¹ ∇_g L(θ + tΔθ)·Δθ_g dt by Gauss–Legendre quadrature checked against the
-    measured ΔL (:func:`dynamics.loss_change.split_loss_change`): every row stores the residual
+    measured ΔL (:func:`dynamics.passes.loss_change.split_loss_change`): every row stores the
+    residual
     Σ terms − ΔL and whether it met ``rtol``. A row that did not (the budget ran out, typically
     with a kinked activation such as ReLU) is kept with its residual, ``converged = 0`` and a
     warning event: the terms are then accurate to that residual, no better.
 
-    The loss is the module's own, by the loss rule of :mod:`dynamics.loss_rule`, on a fixed
+    The loss is the module's own, by the loss rule of :mod:`dynamics.passes.loss_rule`, on a fixed
     probe batch (a copy of the fit's first training batch unless one is given), not on each
     step's own batch: rows of different steps measure the same function, so a term's sign and
     size over time reflect the parameters, not the batch drawn. Every evaluation runs in float64
@@ -61,7 +62,7 @@ class LossChangeSplit(Probe):
     BatchNorm uses those running statistics; with ``mode="train"`` BatchNorm normalizes with
     the probe batch's statistics and every evaluation of a row draws the same dropout masks (each
     starts from the same RNG state), so the loss is still one function of θ along the segment.
-    The extra passes run inside :func:`~dynamics.isolation.side_effect_free`: ``.grad``, the
+    The extra passes run inside :func:`~dynamics.passes.isolation.side_effect_free`: ``.grad``, the
     RNG, buffers and train/eval flags are as training left them, and training is bit-identical
     with and without the probe. Rows are measured on global rank zero only (on its probe batch).
 
@@ -85,7 +86,7 @@ class LossChangeSplit(Probe):
     Args:
         groups: ``"kind"`` — ``bias`` (1-D ``bias``/``bias_*``/``*_bias`` parameters of
             non-normalization layers), ``weight`` and ``normalization`` (every parameter of a
-            module whose class name contains ``Norm``), see :mod:`dynamics.parameter_groups` —
+            module whose class name contains ``Norm``), see :mod:`dynamics.params.groups` —
             or ``"layer"`` (one group per module owning parameters) or ``{group: [glob, ...]}``
             over dotted parameter names (unmatched parameters go to ``other``).
         every_n_steps: recording period in optimizer steps.
@@ -97,7 +98,7 @@ class LossChangeSplit(Probe):
         max_gradient_evaluations: budget per row; panels are bisected until the tolerance is met
             or the next bisection would exceed it.
         batch: the probe batch; default: a copy of the fit's first training batch.
-        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.isolation.Mode` of the module
+        mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.passes.isolation.Mode` of the module
             during the evaluations.
     """
 

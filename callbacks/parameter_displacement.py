@@ -16,7 +16,8 @@ from dynamics.callbacks.probe import (
     expected_steps,
     require_unsharded,
 )
-from dynamics.params import BufferLayout, ParameterLayout, flatten, parameter_vector
+from dynamics.params.layout import BufferLayout, ParameterLayout
+from dynamics.params.vectors import flatten, parameter_vector
 from dynamics.store import names
 from dynamics.store.views import standard_view
 
@@ -39,7 +40,7 @@ class ParameterDisplacement(Probe):
     """‖θt − θ0‖ in total and per parameter tensor, the update ‖θt+1 − θt‖, and snapshots.
 
     θ0, every snapshot and θT are stored with the module's persistent buffers at that moment
-    (BatchNorm running statistics and counters, see :class:`~dynamics.params.BufferLayout`),
+    (BatchNorm running statistics and counters, see :class:`~dynamics.params.layout.BufferLayout`),
     so a model rebuilt offline at any of them is the model training had; the snapshot budget
     counts their bytes. A snapshot's buffers are those before the step's forward, as its
     parameters are.

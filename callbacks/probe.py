@@ -11,7 +11,7 @@ The recorder calls them in this order: ``validate`` (fit start), ``setup`` (firs
 ``on_micro_batch_end`` (each micro-batch) and ``on_step_end`` (returns the step's rows, shaped
 as declared), ``on_validation_end``, ``final_vectors`` and ``teardown``. Hooks leave ``.grad``,
 the RNG, buffers, train/eval flags and parameters as they found them (extra passes run inside
-:func:`dynamics.isolation.side_effect_free`). A hook that cannot measure raises
+:func:`dynamics.passes.isolation.side_effect_free`). A hook that cannot measure raises
 :class:`ProbeUnavailable`; any exception disables the probe for the rest of the run (it is not
 retried) with an event in the run file, and training goes on. :meth:`Probe.note` records a
 warning and goes on. :func:`dynamics.callbacks.check_probe` tests a probe against all of this.

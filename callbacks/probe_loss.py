@@ -11,23 +11,23 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device
 
-from dynamics.batch_tree import flatten_batch, unflatten_batch
 from dynamics.callbacks.probe import ProbeUnavailable, detached_copy, require_unsharded
-from dynamics.isolation import Mode, checked_mode
-from dynamics.loss_rule import LossSource, LossUnavailable, loss_source
+from dynamics.params.batch_tree import flatten_batch, unflatten_batch
+from dynamics.passes.isolation import Mode, checked_mode
+from dynamics.passes.loss_rule import LossSource, LossUnavailable, loss_source
 
 
 class ProbeLoss:
     """The module's loss by the loss rule, on a fixed probe batch, in a chosen mode.
 
     At setup it refuses, with :class:`~dynamics.callbacks.ProbeUnavailable`, a module the loss
-    rule (:mod:`dynamics.loss_rule`) gives no loss for, such as a manually optimized module
+    rule (:mod:`dynamics.passes.loss_rule`) gives no loss for, such as a manually optimized module
     without ``dynamics_loss``: decided before any extra pass, so no training step that steps an
     optimizer is ever called.
 
     Args:
         probe: the owning probe's class name, for messages.
-        mode: the :data:`~dynamics.isolation.Mode` extra passes run the module in.
+        mode: the :data:`~dynamics.passes.isolation.Mode` extra passes run the module in.
         batch: the probe batch; default: a copy of the fit's first training batch.
 
     Attributes:

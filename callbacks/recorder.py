@@ -32,14 +32,9 @@ from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
 from dynamics.callbacks.training_loss import TrainingLoss
-from dynamics.params import (
-    BufferLayout,
-    ParameterLayout,
-    frozen_hash,
-    parameter_vector,
-    vector_hash,
-)
-from dynamics.rebuild import module_record
+from dynamics.model.record import module_record
+from dynamics.params.layout import BufferLayout, ParameterLayout
+from dynamics.params.vectors import frozen_hash, parameter_vector, vector_hash
 from dynamics.store import RunFileError, RunLock, RunWriter, SeriesSpec, names, open_run
 from dynamics.store.writer import RunIdentity
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from dynamics.bias.shift import ShiftTable, check_shift_settings, shift_activations
 from dynamics.errors import DynamicsError
-from dynamics.rebuild import builds_in_configure_model, class_path
+from dynamics.model.record import builds_in_configure_model, class_path
 from dynamics.store import names
 
 

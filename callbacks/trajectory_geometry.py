@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
-from dynamics.params import ParameterLayout
+from dynamics.params.layout import ParameterLayout
 from dynamics.store import View, names
 
 if TYPE_CHECKING:

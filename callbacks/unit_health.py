@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynamics.activations import ShiftedActivation
+from dynamics.bias.activations import ShiftedActivation
 from dynamics.store import names
 from dynamics.store.schema import View
 

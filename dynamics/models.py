@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynamics.activations import ShiftedActivation
+from dynamics.bias.activations import ShiftedActivation
 
 
 class ResidualBlock(nn.Module):
@@ -43,7 +43,7 @@ class ResidualMLP(nn.Module):
         width: residual-stream width (input and output size).
         expansion: hidden width of each block is ``width * expansion``.
         depth: number of blocks.
-        activation: activation name (see ``dynamics.activations.ACTIVATIONS``).
+        activation: activation name (see ``dynamics.bias.activations.ACTIVATIONS``).
         shift: activation shift (``none``, ``expected``, ``adaptive`` or a number).
         bias: whether the linear layers carry biases.
     """
@@ -69,7 +69,7 @@ class ResidualMLP(nn.Module):
         return x
 
 
-#: The activation modules the transformers build, by the names of ``dynamics.activations``.
+#: The activation modules the transformers build, by the names of ``dynamics.bias.activations``.
 ACTIVATION_MODULES: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
     "gelu": nn.GELU,

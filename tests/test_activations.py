@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.integrate import quad
 
-from dynamics.activations import ACTIVATIONS, ShiftedActivation, expected_activation
+from dynamics.bias.activations import ACTIVATIONS, ShiftedActivation, expected_activation
 
 
 def test_expected_shift_matches_closed_forms():

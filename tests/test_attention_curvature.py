@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, HessianSpectrum
 from dynamics.curvature import pyhessian_eigenpairs, top_eigenvalues
-from dynamics.params import flatten, parameter_vector
+from dynamics.params.vectors import flatten, parameter_vector
 
 VOCAB, WIDTH, HEADS, CONTEXT = 5, 8, 2, 4
 

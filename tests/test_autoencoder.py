@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
-from dynamics.activations import ShiftedActivation
 from dynamics.analysis.bias_audit import recorded_audit
+from dynamics.bias.activations import ShiftedActivation
 from dynamics.experiments.autoencoder import AutoencoderModule, conv_autoencoder
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics

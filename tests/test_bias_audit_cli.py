@@ -30,7 +30,8 @@ from dynamics.callbacks import (
     check_probe,
 )
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.rebuild import probe_batch, rebuild_module
+from dynamics.model.probe_batch import probe_batch
+from dynamics.model.rebuild import rebuild_module
 
 SEED_MLP = """
 from torch import nn

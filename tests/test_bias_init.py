@@ -18,7 +18,7 @@ from dynamics.bias.init import constant, log_odds, lstm_forget_gate, mean_target
 from dynamics.callbacks import DynamicsRecorder, InitBiases, TrainingLoss
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentModule
-from dynamics.params import parameter_vector, vector_hash
+from dynamics.params.vectors import parameter_vector, vector_hash
 
 
 def mlp(outputs: int = 3) -> nn.Sequential:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynamics.activations import ShiftedActivation, expected_value
 from dynamics.bias import shift_activations
+from dynamics.bias.activations import ShiftedActivation, expected_value
 from dynamics.errors import DynamicsError
 
 PARAMETRISED = [

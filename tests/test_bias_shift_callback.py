@@ -26,10 +26,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from dynamics import open_run
-from dynamics.activations import ShiftedActivation, expected_value
 from dynamics.analysis.comparison import DIFFERS, SAME, VARIANT, comparability, verdict
 from dynamics.analysis.run_setup import setup_rows
 from dynamics.bias import shift_activations
+from dynamics.bias.activations import ShiftedActivation, expected_value
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,
@@ -39,9 +39,11 @@ from dynamics.callbacks import (
     TrainingLoss,
 )
 from dynamics.errors import DynamicsError
-from dynamics.loss_rule import module_loss
-from dynamics.params import load_state, parameter_vector, vector_hash
-from dynamics.rebuild import probe_batch, rebuild_module
+from dynamics.model import load_into
+from dynamics.model.probe_batch import probe_batch
+from dynamics.model.rebuild import rebuild_module
+from dynamics.params.vectors import load_state, parameter_vector, vector_hash
+from dynamics.passes.loss_rule import module_loss
 from dynamics.store import RunFileError
 
 THIS_FILE = Path(__file__).resolve()
@@ -338,14 +340,14 @@ def test_rebuilt_model_is_shifted_again_and_its_loss_at_theta_final_is_the_train
     rebuilt = rebuild_module(run, model=f"{THIS_FILE}:DictCNN")
     assert isinstance(rebuilt.features[2], ShiftedActivation)
     assert rebuilt.features[2].phi.inplace and rebuilt.features[2].shift == variant
-    run.load_into(rebuilt)
+    load_into(run, rebuilt)
     assert eval_loss(rebuilt, batch) == trained
     # The same parameters without the shift compute another loss: loading them into the
     # unshifted class is refused, the model left as it was.
     unshifted = DictCNN()
     untouched = [p.detach().clone() for p in unshifted.parameters()]
     with pytest.raises(DynamicsError, match=r"submodules differ .*ShiftedActivation"):
-        run.load_into(unshifted)
+        load_into(run, unshifted)
     assert all(torch.equal(p, q) for p, q in zip(unshifted.parameters(), untouched))
     load_state(unshifted, run.stored_states()[-1].theta, run.layout)
     assert abs(eval_loss(unshifted, batch) - trained) > 1e-4
@@ -416,8 +418,8 @@ from dynamics import open_run
 from dynamics.callbacks import (
     DynamicsRecorder, GradientPlane, ParameterDisplacement, ShiftActivations, TrainingLoss
 )
-from dynamics.loss_rule import module_loss
-from dynamics.rebuild import probe_batch
+from dynamics.passes.loss_rule import module_loss
+from dynamics.model.probe_batch import probe_batch
 
 
 class GPTBlock(pl.LightningModule):
@@ -572,9 +574,9 @@ def test_layers_built_in_configure_model_are_shifted_and_recorded(tmp_path, reco
         assert torch.equal(p, q)
 
     with pytest.raises(DynamicsError, match=r"call model.configure_model\(\) first"):
-        run.load_into(LateMLP())
+        load_into(run, LateMLP())
     rebuilt = rebuild_module(run, model=f"{THIS_FILE}:LateMLP")
-    run.load_into(rebuilt)
+    load_into(run, rebuilt)
     batch = next(iter(regression_batches()))
     assert module_loss(rebuilt, batch).item() == module_loss(module, batch).item()
 

@@ -25,7 +25,8 @@ from dynamics.callbacks import (
     check_probe,
 )
 from dynamics.errors import DynamicsError
-from dynamics.rebuild import build_module, module_record
+from dynamics.model.rebuild import build_module
+from dynamics.model.record import module_record
 from dynamics.store import names, open_run
 from tests.conftest import TinyClassifier, make_quiet_trainer
 

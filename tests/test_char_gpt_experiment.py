@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 
-from dynamics.activations import ShiftedActivation
+from dynamics.bias.activations import ShiftedActivation
 from dynamics.callbacks import HiddenStateNorms
 from dynamics.experiments.char_gpt import CharGPTModule, StdlibTextData
 from dynamics.experiments.scaleup import RESIDUAL_STREAM
 from dynamics.experiments.vit_digits import ViTDigitsModule
-from dynamics.rebuild import rebuild_module
+from dynamics.model.rebuild import rebuild_module
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics
 

@@ -31,7 +31,7 @@ from dynamics.callbacks import (
     TrainingLoss,
 )
 from dynamics.cli import main
-from dynamics.rebuild import rebuild_module
+from dynamics.model.rebuild import rebuild_module
 from dynamics.store import names
 from tests.conftest import make_quiet_trainer
 

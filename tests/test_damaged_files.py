@@ -39,6 +39,7 @@ from dynamics.callbacks import (
 from dynamics.cli import main
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
+from dynamics.model import load_into
 from dynamics.store import names
 
 # The tests run in importlib mode, which keeps tests/ off sys.path: load the generator by path.
@@ -143,8 +144,8 @@ def _api_calls(run) -> list:
     calls += [lambda n=name: run.vector(n) for name in run.vector_names]
     # Into the run's own variant: the unshifted class is refused for a shifted run.
     calls += [
-        lambda: run.load_into(
-            TeacherStudentModule(**ARCHITECTURE, shift=run.config.get("shift", "none"))
+        lambda: load_into(
+            run, TeacherStudentModule(**ARCHITECTURE, shift=run.config.get("shift", "none"))
         )
     ]
     draws = (figures.loss, figures.hidden_norms, figures.eigenvalues, figures.displacement)
@@ -362,7 +363,7 @@ def test_an_untrusted_file_is_refused_in_one_line_within_time_and_memory(real_ru
 
 
 def test_a_crafted_named_tuple_is_rebuilt_from_its_fields_alone(real_runs, tmp_path):
-    from dynamics.rebuild import probe_batch
+    from dynamics.model.probe_batch import probe_batch
 
     run = open_run(make_damaged(real_runs[1], "named_tuple_planted_module", tmp_path))
     batch = probe_batch(run)

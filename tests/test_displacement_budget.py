@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, ParameterDisplacement, ProbeUnavailable
-from dynamics.params import parameter_vector
+from dynamics.params.vectors import parameter_vector
 
 
 class Wide(LightningModule):

@@ -200,7 +200,7 @@ def test_a_nan_loss_while_the_parameters_stay_finite_is_no_divergence(runs, tmp_
 
 
 def test_no_point_takes_the_buffers_of_a_diverged_state(tmp_path, quiet_trainer, small_cnn):
-    from dynamics.nearest_buffers import NearestBuffers
+    from dynamics.geometry.nearest_buffers import NearestBuffers
 
     torch.manual_seed(0)
     module = small_cnn(lr=1e6)  # BatchNorm: every stored state has buffers

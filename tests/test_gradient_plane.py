@@ -11,10 +11,12 @@ import torch
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.loss_rule import module_loss
-from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.plane import plane_from_gradients
-from dynamics.rebuild import probe_batch, rebuild_module
+from dynamics.geometry.plane import plane_from_gradients
+from dynamics.model.probe_batch import probe_batch
+from dynamics.model.rebuild import rebuild_module
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import parameter_vector
+from dynamics.passes.loss_rule import module_loss
 
 ARCH = dict(width=8, expansion=2, depth=2)
 

@@ -22,7 +22,7 @@ from dynamics.curvature import (
     spectral_density,
     top_eigenvalues,
 )
-from dynamics.params import flatten
+from dynamics.params.vectors import flatten
 
 
 def _mlp(bias: bool) -> nn.Module:

@@ -21,7 +21,7 @@ from dynamics.callbacks import DynamicsRecorder
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.curvature import top_eigenvalues
 from dynamics.experiments.teacher_student import TeacherStudentModule
-from dynamics.params import flatten
+from dynamics.params.vectors import flatten
 
 
 class TinyRegressor(pl.LightningModule):

@@ -20,7 +20,7 @@ from dynamics.curvature import (
     track_eigenpairs,
 )
 from dynamics.curvature.krylov import project_off
-from dynamics.params import flatten
+from dynamics.params.vectors import flatten
 from tests.test_hessian_spectrum import _dense, _tiny, _tiny_loss_of_flat
 
 

@@ -15,10 +15,10 @@ from torch.utils.data import DataLoader
 
 from dynamics import open_run
 from dynamics.analysis.bias_audit import recorded_audit
-from dynamics.batch_tree import ForwardArguments
 from dynamics.bias.audit import audit
 from dynamics.callbacks import BiasAudit, DynamicsRecorder
 from dynamics.cli import main
+from dynamics.params.batch_tree import ForwardArguments
 from tests.conftest import make_quiet_trainer
 
 SCRIPT = """

@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dynamics import open_run
-from dynamics.activations import HF_ACTIVATIONS, expected_value, hf_activation_phi
+from dynamics.bias.activations import HF_ACTIVATIONS, expected_value, hf_activation_phi
 from dynamics.callbacks import DynamicsRecorder, HiddenStateNorms
-from dynamics.isolation import in_extra_pass
+from dynamics.passes.isolation import in_extra_pass
 
 transformers = pytest.importorskip("transformers")
 activations = pytest.importorskip("transformers.activations")

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynamics.isolation import in_extra_pass, side_effect_free
+from dynamics.passes.isolation import in_extra_pass, side_effect_free
 
 
 def _net() -> nn.Sequential:

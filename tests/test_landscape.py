@@ -1,4 +1,4 @@
-"""Loss heatmaps over planes (dynamics.landscape)."""
+"""Loss heatmaps over planes (dynamics.geometry.landscape)."""
 
 from pathlib import Path
 
@@ -9,9 +9,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dynamics.landscape import LossSurface, evaluate_grid
-from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.plane import Grid, Plane, plane_from_gradients
+from dynamics.geometry.landscape import LossSurface, evaluate_grid
+from dynamics.geometry.plane import Grid, Plane, plane_from_gradients
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import parameter_vector
 
 
 class Regressor(nn.Module):

@@ -22,8 +22,9 @@ from dynamics.callbacks import (
     TrainingLoss,
 )
 from dynamics.cli import main
-from dynamics.loss_rule import module_loss
-from dynamics.rebuild import probe_batch, rebuild_module
+from dynamics.model.probe_batch import probe_batch
+from dynamics.model.rebuild import rebuild_module
+from dynamics.passes.loss_rule import module_loss
 from dynamics.store import names
 from tests.conftest import make_quiet_trainer
 from tests.test_rebuild import BatchNormDictCNN

@@ -23,9 +23,9 @@ from dynamics import open_run
 from dynamics.analysis.report import write_report
 from dynamics.callbacks import DynamicsRecorder, LossChangeSplit, ProbeUnavailable, check_probe
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
-from dynamics.loss_change import split_loss_change
-from dynamics.parameter_groups import group_parameters
-from dynamics.params import parameter_vector
+from dynamics.params.groups import group_parameters
+from dynamics.params.vectors import parameter_vector
+from dynamics.passes.loss_change import split_loss_change
 from tests.conftest import SmallCNN, TinyClassifier, make_quiet_trainer
 from tests.test_real_projects import CharGPT, DigitsCNN, DigitsData, ManualMLP
 from tests.test_resume import fit as fit_checkpointed

@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, LossChangeSplit
-from dynamics.loss_change import split_loss_change
+from dynamics.passes.loss_change import split_loss_change
 from dynamics.store import names
 from tests.conftest import make_quiet_trainer
 

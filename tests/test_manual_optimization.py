@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, HessianSpectrum, ProbeUnavailable
-from dynamics.loss_rule import LossUnavailable, loss_source, module_loss
-from dynamics.params import parameter_vector
+from dynamics.params.vectors import parameter_vector
+from dynamics.passes.loss_rule import LossUnavailable, loss_source, module_loss
 
 
 class ManualRegressor(pl.LightningModule):

@@ -14,8 +14,9 @@ from dynamics import open_run
 from dynamics.analysis.plane_run import rebuilt_surface
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.errors import DynamicsError
-from dynamics.loss_rule import module_loss
-from dynamics.rebuild import probe_batch
+from dynamics.model import load_into
+from dynamics.model.probe_batch import probe_batch
+from dynamics.passes.loss_rule import module_loss
 from dynamics.store import RunWriter, SeriesSpec
 from tests.conftest import make_quiet_trainer
 
@@ -66,7 +67,7 @@ def test_a_training_step_reading_the_trainer_says_to_define_dynamics_loss(tmp_pa
     # The documented fix: the same run, rebuilt as the module with dynamics_loss, evaluates.
     surface = rebuilt_surface(run, model=f"{__file__}:WithDynamicsLoss", trust=True)
     module = WithDynamicsLoss()
-    run.load_into(module, step=0)
+    load_into(run, module, step=0)
     expected = float(module_loss(module, probe_batch(run)))
     assert surface.loss(run.vector("theta0")) == pytest.approx(expected, rel=1e-6)
 

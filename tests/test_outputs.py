@@ -225,7 +225,7 @@ def test_plane_grids_never_touch_a_run_of_the_pages_name(demo_copy, dynamics, on
 
 def test_an_interrupted_plane_keeps_the_previous_complete_grid(demo_copy, tmp_path, monkeypatch):
     from dynamics.analysis.plane_run import write_plane
-    from dynamics.landscape import LossSurface
+    from dynamics.geometry.landscape import LossSurface
 
     out = tmp_path / "p.html"
     write_plane(*demo_copy, out, grid_side=4, processes=1)

@@ -28,8 +28,9 @@ from dynamics.callbacks import (
     ParameterDisplacement,
     TrainingLoss,
 )
-from dynamics.params import ParameterLayout, load_vector
-from dynamics.rebuild import probe_batch
+from dynamics.model.probe_batch import probe_batch
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import load_vector
 from tests.conftest import cli_in_process as cli
 from tests.conftest import make_quiet_trainer
 

@@ -1,11 +1,10 @@
-"""Planes, projections, the out-of-plane view and grids (dynamics.plane)."""
+"""Planes, projections, the out-of-plane view and grids (dynamics.geometry.plane)."""
 
 import numpy as np
 import pytest
 import torch
 
-from dynamics.params import ParameterLayout
-from dynamics.plane import (
+from dynamics.geometry.plane import (
     Grid,
     Plane,
     covering_grid,
@@ -15,6 +14,7 @@ from dynamics.plane import (
     project,
     random_filter_normalized_plane,
 )
+from dynamics.params.layout import ParameterLayout
 
 N = 500
 

@@ -17,9 +17,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
-from dynamics.loss_rule import module_loss
-from dynamics.params import ParameterLayout, load_vector, parameter_vector
-from dynamics.plane import plane_from_gradients
+from dynamics.geometry.plane import plane_from_gradients
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import load_vector, parameter_vector
+from dynamics.passes.loss_rule import module_loss
 from dynamics.store import names
 
 
@@ -278,7 +279,7 @@ def test_progress_bar_counts_every_evaluation_with_an_estimate(
 
 def test_an_interrupted_grid_keeps_its_finished_rows(two_learning_rates, tmp_path, monkeypatch):
     from dynamics.analysis.plane_run import write_plane
-    from dynamics.landscape import LossSurface
+    from dynamics.geometry.landscape import LossSurface
 
     write_plane(*two_learning_rates, tmp_path / "full.html", grid_side=5, processes=1)
     rows_done, evaluate = [], LossSurface.losses_on_plane
@@ -332,7 +333,7 @@ def test_report_draws_the_views_evaluated_in_training(cnn_runs, dynamics, tmp_pa
 
 
 def test_coarse_to_fine_refines_only_near_the_trajectories(two_learning_rates, dynamics, tmp_path):
-    from dynamics.plane import Grid, near_paths
+    from dynamics.geometry.plane import Grid, near_paths
 
     runs = [*two_learning_rates, "--grid", "17", "--no-progress", "--processes", "1"]
     full = dynamics("plane", *runs[:2], "-o", tmp_path / "full.html", *runs[2:])
@@ -359,7 +360,7 @@ def test_coarse_to_fine_refines_only_near_the_trajectories(two_learning_rates, d
 
 
 def test_near_paths_measures_distance_to_segments_in_grid_steps():
-    from dynamics.plane import Grid, near_paths
+    from dynamics.geometry.plane import Grid, near_paths
 
     grid = Grid(np.arange(5.0), 2 * np.arange(4.0))  # steps 1 along a, 2 along b
     near = near_paths(grid, [(np.array([0.0, 4.0]), np.array([2.0, 2.0]))], 0.5)

@@ -20,9 +20,9 @@ from dynamics.callbacks import (
     SeriesSpec,
     TrainingLoss,
 )
-from dynamics.isolation import side_effect_free
-from dynamics.loss_rule import module_loss
-from dynamics.params import flatten
+from dynamics.params.vectors import flatten
+from dynamics.passes.isolation import side_effect_free
+from dynamics.passes.loss_rule import module_loss
 
 
 class TinyAttention(LightningModule):

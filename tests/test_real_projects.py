@@ -39,6 +39,7 @@ from dynamics.callbacks import (
     TrainingLoss,
 )
 from dynamics.hessian import top_eigenvalues
+from dynamics.model import load_into
 
 HESSIAN_STEPS = [0, 2]  # HessianSpectrum(every_n_steps=2) over a 4-step fit
 PROBE_FAILURE = "probe-only op not supported here"
@@ -857,20 +858,20 @@ def test_frozen_parameters_drawn_afresh_are_refused_offline(tmp_path):
     other ones, silently: 2.188 against the trained 2.174 at θT on this model), and one that
     has the run's frozen values loads and computes the trained model's loss."""
     from dynamics.errors import DynamicsError
-    from dynamics.loss_rule import module_loss
-    from dynamics.rebuild import rebuild_module
+    from dynamics.model.rebuild import rebuild_module
+    from dynamics.passes.loss_rule import module_loss
 
     torch.manual_seed(0)
     module = FrozenTiedLM()
     _, run = fit_recorded(module, tmp_path / "run.h5", [ParameterDisplacement()], max_steps=3)
     torch.manual_seed(1)
     with pytest.raises(DynamicsError, match=r"frozen parameters \(requires_grad=False\) are not"):
-        run.load_into(FrozenTiedLM())
+        load_into(run, FrozenTiedLM())
     with pytest.raises(DynamicsError, match="frozen parameters"):
         rebuild_module(run, model=f"{__file__}:FrozenTiedLM")
     same = FrozenTiedLM()
     same.frozen.weight.data.copy_(module.frozen.weight)
-    run.load_into(same)
+    load_into(run, same)
     batch = next(iter(module.train_dataloader()))
     assert module_loss(same.eval(), batch).item() == module_loss(module.eval(), batch).item()
 

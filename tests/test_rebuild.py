@@ -22,13 +22,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dynamics import cli, open_run
-from dynamics.batch_tree import flatten_batch, named_tuple_classes, unflatten_batch
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.errors import DynamicsError
-from dynamics.loss_rule import module_loss
-from dynamics.nearest_buffers import NearestBuffers
-from dynamics.params import BufferLayout, ParameterLayout
-from dynamics.rebuild import probe_batch, rebuild_module
+from dynamics.geometry.nearest_buffers import NearestBuffers
+from dynamics.model import load_into
+from dynamics.model.probe_batch import probe_batch
+from dynamics.model.rebuild import rebuild_module
+from dynamics.params.batch_tree import flatten_batch, named_tuple_classes, unflatten_batch
+from dynamics.params.layout import BufferLayout, ParameterLayout
+from dynamics.passes.loss_rule import module_loss
 from dynamics.store import names
 
 THIS_FILE = Path(__file__).resolve()
@@ -168,7 +170,7 @@ def test_loss_at_theta_final_is_the_trained_models_eval_loss(bn_runs):
     with torch.no_grad():
         trained = module_loss(module.eval(), batch).item()
     rebuilt = rebuild_module(run, trust_recorded_model=True)  # a class of this test module
-    run.load_into(rebuilt)
+    load_into(run, rebuilt)
     with torch.no_grad():
         assert module_loss(rebuilt.eval(), batch).item() == trained
     # Without the buffers (what a parameters-only rebuild gave) the loss is another one.
@@ -239,15 +241,15 @@ def test_load_into_loads_the_nearest_stored_state(bn_runs):
     module, run = runs["slow"]
     fresh = BatchNormDictCNN(lr=0.05)
     layout = ParameterLayout.of(fresh)
-    state = run.load_into(fresh, 3)  # snapshots at 0, 2, 4: the earlier on a tie
+    state = load_into(run, fresh, 3)  # snapshots at 0, 2, 4: the earlier on a tie
     assert (state.source, state.step) == ("snapshot", 2)
     np.testing.assert_array_equal(
         torch.cat([p.detach().reshape(-1) for p in fresh.parameters()]), state.theta
     )
     assert fresh.norm.num_batches_tracked.item() == 2
-    assert run.load_into(fresh, 0).source == "theta0"
+    assert load_into(run, fresh, 0).source == "theta0"
     assert torch.equal(fresh.norm.running_var, torch.ones(4))
-    state = run.load_into(fresh)  # θT
+    state = load_into(run, fresh)  # θT
     assert (state.source, state.step) == ("theta_final", 6)
     for name, buffer in buffers_of(module).items():
         assert torch.equal(dict(fresh.named_buffers())[name], buffer), name
@@ -256,7 +258,7 @@ def test_load_into_loads_the_nearest_stored_state(bn_runs):
     with pytest.raises(
         DynamicsError, match=r"submodules differ from the run's \(conv: Conv2d\(1, 4"
     ):
-        run.load_into(BatchNormDictCNN(channels=5))
+        load_into(run, BatchNormDictCNN(channels=5))
 
 
 def test_a_file_without_buffers_says_so_and_loads_parameters(bn_runs, tmp_path):
@@ -271,7 +273,7 @@ def test_a_file_without_buffers_says_so_and_loads_parameters(bn_runs, tmp_path):
                 del file["vectors"][name]
     fresh = BatchNormDictCNN()
     with pytest.warns(UserWarning, match="no buffers recorded"):
-        state = open_run(old).load_into(fresh)
+        state = load_into(open_run(old), fresh)
     # θT's step was not stored either: estimated as one past the last recorded step.
     assert state.buffers is None and state.step == 5
     assert torch.equal(fresh.norm.running_var, torch.ones(4))  # its own, not guessed
@@ -299,7 +301,7 @@ def test_unrecorded_init_args_are_refused_and_can_be_given(tmp_path, dynamics, o
     rebuilt = rebuild_module(
         run, init_args={"width": 6, "label_smoothing": 0.1}, trust_recorded_model=True
     )
-    run.load_into(rebuilt)
+    load_into(run, rebuilt)
     batch = probe_batch(run)
     with torch.no_grad():
         assert module_loss(rebuilt.eval(), batch).item() == module_loss(module.eval(), batch).item()

@@ -28,7 +28,7 @@ from dynamics.analysis import loss_barrier
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.rebuild import rebuild_module
+from dynamics.model.rebuild import rebuild_module
 from dynamics.store import names
 
 ARCHITECTURE = dict(width=8, expansion=2, depth=2)
@@ -57,7 +57,7 @@ def _run_limited(*args: object) -> tuple[subprocess.CompletedProcess, float]:
 
 def test_torch_imports_under_the_memory_limit():
     result = subprocess.run(
-        [sys.executable, "-c", "import torch, dynamics.rebuild, dynamics.analysis.compare"],
+        [sys.executable, "-c", "import torch, dynamics.model.rebuild, dynamics.analysis.compare"],
         preexec_fn=_limited,
         capture_output=True,
         text=True,
@@ -130,7 +130,7 @@ def test_a_crafted_depth_is_stopped_while_the_constructor_runs(runs, tmp_path):
 
 
 def test_a_model_that_matches_the_layout_but_not_the_memory_is_refused(runs, monkeypatch):
-    monkeypatch.setattr("dynamics.rebuild.available_bytes", lambda: 1000)
+    monkeypatch.setattr("dynamics.model.rebuild.available_bytes", lambda: 1000)
     with pytest.raises(DynamicsError, match="more than 0.0 GiB for its parameters and buffers"):
         rebuild_module(open_run(runs[0]))
 

@@ -20,7 +20,8 @@ from dynamics.callbacks import (
 )
 from dynamics.callbacks.parameter_displacement import SizeGroups
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
-from dynamics.params import ParameterLayout, parameter_vector, vector_hash
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import parameter_vector, vector_hash
 
 
 def tiny_teacher_student(shift="none"):

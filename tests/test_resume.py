@@ -30,8 +30,8 @@ from dynamics.callbacks import (
 )
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.experiments import TeacherStudentModule
-from dynamics.params import parameter_vector
-from dynamics.plane import plane_from_gradients
+from dynamics.geometry.plane import plane_from_gradients
+from dynamics.params.vectors import parameter_vector
 from dynamics.store import RunFileError
 
 ARCH = dict(width=8, expansion=2, depth=2)

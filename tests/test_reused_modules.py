@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
 from dynamics.callbacks import BiasComponent, DynamicsRecorder, HiddenStateNorms
-from dynamics.isolation import in_extra_pass
+from dynamics.passes.isolation import in_extra_pass
 
 
 class ReusedLSTM(pl.LightningModule):

@@ -16,8 +16,8 @@ from dynamics import open_run
 from dynamics.analysis.eigenspace_overlap import eigenspace_overlap
 from dynamics.callbacks import DynamicsRecorder, TrainingLoss
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
+from dynamics.geometry.subspace_overlap import subspace_overlap, update_share
 from dynamics.store import names
-from dynamics.subspace_overlap import subspace_overlap, update_share
 from tests.conftest import run_dynamics
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.activations import ShiftedActivation
+from dynamics.bias.activations import ShiftedActivation
 from dynamics.callbacks import DynamicsRecorder, HiddenStateNorms, TrainingLoss
 from dynamics.cli import main
 from dynamics.store import names

@@ -228,8 +228,8 @@ def test_side_by_side_panels_say_whose_data_they_show(recorded_runs, tmp_path):
 
 def test_the_plane_page_uses_the_page_kit(tmp_path):
     from dynamics.analysis.plane_report import write_plane_html
-    from dynamics.landscape import PlaneView, Trajectory
-    from dynamics.plane import Grid, Plane
+    from dynamics.geometry.landscape import PlaneView, Trajectory
+    from dynamics.geometry.plane import Grid, Plane
 
     plane = Plane(np.zeros(3), np.eye(3)[0], np.eye(3)[1], kind="gradients")
     grid = Grid(np.linspace(-1, 1, 5), np.linspace(-1, 1, 4))

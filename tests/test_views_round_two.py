@@ -147,10 +147,11 @@ class _NormedLine(torch.nn.Module):
 
 
 def test_buffer_regions_are_the_states_whose_buffers_each_grid_point_was_evaluated_with():
-    from dynamics.landscape import LossSurface, evaluate_grid
-    from dynamics.nearest_buffers import NearestBuffers
-    from dynamics.params import BufferLayout, ParameterLayout, parameter_vector
-    from dynamics.plane import Grid, Plane
+    from dynamics.geometry.landscape import LossSurface, evaluate_grid
+    from dynamics.geometry.nearest_buffers import NearestBuffers
+    from dynamics.geometry.plane import Grid, Plane
+    from dynamics.params.layout import BufferLayout, ParameterLayout
+    from dynamics.params.vectors import parameter_vector
     from dynamics.store import StoredState
 
     torch.manual_seed(0)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import yaml
 
 from dynamics.experiments.vit_digits import LabelledDigitsData, ViTDigitsModule, labelled_digits
+from dynamics.model.rebuild import rebuild_module
 from dynamics.models import ViT
-from dynamics.rebuild import rebuild_module
 from dynamics.store import names, open_run
 from tests.conftest import assert_one_line_error, run_dynamics
 from tests.test_char_gpt_experiment import mlp_activation_means, residual_stream_norms, run_tiny

@@ -1,9 +1,9 @@
 """Bias tools for any PyTorch model: activation shifting, bias audit, bias initialization."""
 
 from dynamics.bias.audit import audit
+from dynamics.bias.audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
 from dynamics.bias.init import BiasSet, init_biases
 from dynamics.bias.shift import ShiftRow, ShiftTable, shift_activations
-from dynamics.bias_audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
 
 __all__ = [
     "Activation",

@@ -28,21 +28,21 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.dropout import _DropoutNd
 
-from dynamics.activations import ShiftedActivation, expected_value
-from dynamics.batch_tree import (
+from dynamics.bias.activations import ShiftedActivation, expected_value
+from dynamics.bias.audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
+from dynamics.bias.shift import ACTIVATION_MODULES, functional_activations
+from dynamics.errors import DynamicsError, one_line
+from dynamics.params.batch_tree import (
     ForwardArguments,
     call_forward,
     flatten_batch,
     named_tuple_classes,
     unflatten_batch,
 )
-from dynamics.bias.shift import ACTIVATION_MODULES, functional_activations
-from dynamics.bias_audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
-from dynamics.errors import DynamicsError, one_line
-from dynamics.isolation import side_effect_free
-from dynamics.loss_rule import module_loss
-from dynamics.parameter_groups import is_bias
-from dynamics.params import module_copy, named_modules
+from dynamics.params.groups import is_bias
+from dynamics.params.naming import module_copy, named_modules
+from dynamics.passes.isolation import side_effect_free
+from dynamics.passes.loss_rule import module_loss
 
 #: Layers that take a ``bias`` option in PyTorch: the rows of the layer table.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (
@@ -89,7 +89,7 @@ def audit(
         model: any module.
         example_input: what ``model(example_input)`` takes (a tensor, or a tuple, list or dict
             of them), or the arguments of ``model(*args, **kwargs)`` as a
-            :class:`~dynamics.batch_tree.ForwardArguments` (a Hugging Face model's
+            :class:`~dynamics.params.batch_tree.ForwardArguments` (a Hugging Face model's
             ``input_ids=``). With it, one forward (no gradients; train/eval flags, buffers
             and random state restored) traces the data flow and measures the mean output of every
             activation module, another finds activations called as functions, and the origin
@@ -164,7 +164,7 @@ def forward_input(module: nn.Module, batch: Any) -> tuple[str, Any]:
     """The network a loss pass on ``batch`` runs, and its input: how a LightningModule's
     training batch becomes an example input.
 
-    The loss rule (:mod:`dynamics.loss_rule`) takes ``module``'s loss on ``batch`` once (no
+    The loss rule (:mod:`dynamics.passes.loss_rule`) takes ``module``'s loss on ``batch`` once (no
     gradients; flags, buffers and random state restored). The network is the first module the
     pass calls from outside any other module's forward: ``module`` itself when the training
     step calls ``self(x)``, else the submodule it calls (``self.student(x)``).
@@ -172,7 +172,7 @@ def forward_input(module: nn.Module, batch: Any) -> tuple[str, Any]:
     Returns:
         ``(path, input)``: the network's module path (``""``: ``module``) and what its forward
         got: the one positional argument, else all its arguments as
-        :class:`~dynamics.batch_tree.ForwardArguments` (``self.model(input_ids=ids)``).
+        :class:`~dynamics.params.batch_tree.ForwardArguments` (``self.model(input_ids=ids)``).
 
     Raises:
         DynamicsError: the loss cannot be taken on ``batch``, or no module is called.

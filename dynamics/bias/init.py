@@ -17,8 +17,8 @@ from torch import nn
 
 from dynamics.bias.shift import pattern_list
 from dynamics.errors import DynamicsError
-from dynamics.name_globs import glob_any, matched
-from dynamics.parameter_groups import is_bias
+from dynamics.params.globs import glob_any, matched
+from dynamics.params.groups import is_bias
 
 
 class BiasSet(NamedTuple):

@@ -1,7 +1,7 @@
 """Shift the activations of any model so that their output has mean zero (seed 002, Eq. 9).
 
 :func:`shift_activations` swaps each activation module for a
-:class:`~dynamics.activations.ShiftedActivation` wrapping it, so φ keeps its parameters
+:class:`~dynamics.bias.activations.ShiftedActivation` wrapping it, so φ keeps its parameters
 (``ELU(alpha)``, ``GELU(approximate="tanh")``…) and c = E[φ(z)], z ~ N(0, 1), is the
 quadrature of that very φ. Activations called as functions inside a ``forward`` (``F.gelu(x)``)
 are no modules and cannot be swapped; given an example input, a traced forward finds them and
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dynamics.activations import ShiftedActivation
-from dynamics.batch_tree import call_forward
+from dynamics.bias.activations import ShiftedActivation
 from dynamics.errors import DynamicsError
-from dynamics.isolation import side_effect_free
-from dynamics.name_globs import glob_any, glob_match, matched
+from dynamics.params.batch_tree import call_forward
+from dynamics.params.globs import glob_any, glob_match, matched
+from dynamics.passes.isolation import side_effect_free
 
 #: Activation modules replaced without being named.
 ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (

@@ -11,7 +11,7 @@ from dynamics.cli.common import json_object, print_table
 from dynamics.errors import DynamicsError
 
 if TYPE_CHECKING:
-    from dynamics.bias_audit_result import AuditResult
+    from dynamics.bias.audit_result import AuditResult
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -78,7 +78,8 @@ def handle(args: argparse.Namespace) -> int:
     """Audit a class, or a run's model at θ0 (its recorded audit when it has one)."""
     from dynamics.analysis.bias_audit import recorded_audit
     from dynamics.bias.audit import audit, audit_batch
-    from dynamics.rebuild import build_module, probe_batch, rebuild_module
+    from dynamics.model.probe_batch import probe_batch
+    from dynamics.model.rebuild import build_module, rebuild_module
     from dynamics.store import names, open_run
 
     shape = _shape(args.input_shape)
@@ -204,7 +205,7 @@ def _json_input(text: str, model: Any) -> tuple[Any, str]:
 def _arguments(batch: Any) -> Any:
     """An example input file's content as the forward's arguments: a dict as keywords, a list
     or tuple as positional arguments, anything else as the one argument."""
-    from dynamics.batch_tree import ForwardArguments
+    from dynamics.params.batch_tree import ForwardArguments
 
     if isinstance(batch, dict):
         return ForwardArguments((), batch)

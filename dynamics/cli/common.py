@@ -14,7 +14,7 @@ from dynamics.errors import DynamicsError, ParameterError
 
 if TYPE_CHECKING:
     from dynamics.analysis.report import Written
-    from dynamics.rebuild import RunInitArgs
+    from dynamics.model.rebuild import RunInitArgs
 
 USAGE_ERROR = 2
 #: A shell's status of a command stopped by Ctrl-C (128 + SIGINT).
@@ -27,7 +27,7 @@ INT64_MAX = 2**63 - 1
 #: The flag that feeds each library parameter, so a library error that names the parameter
 #: (:class:`~dynamics.errors.ParameterError`) reaches the user with the flag they typed.
 FLAG_OF = {
-    # rebuilding a run's model (dynamics.rebuild): plane, compare, audit
+    # rebuilding a run's model (dynamics.model.rebuild): plane, compare, audit
     "model": "--model",
     "init_args": "--init-args",
     "trust_recorded_model": "--trust-recorded-model",
@@ -98,7 +98,7 @@ def json_object(text: str | None, option: str) -> dict | None:
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:
-    """How a run's model is rebuilt offline (see :func:`dynamics.rebuild.rebuild_module`)."""
+    """How a run's model is rebuilt offline (see :func:`dynamics.model.rebuild.rebuild_module`)."""
     parser.add_argument(
         "--model",
         metavar="MODULE:NAME",
@@ -127,7 +127,7 @@ def run_init_args(texts: Sequence[str]) -> RunInitArgs | None:
     run's), each once; None when none is given."""
     if not texts:
         return None
-    from dynamics.rebuild import RunInitArgs
+    from dynamics.model.rebuild import RunInitArgs
 
     shared, by_run = None, {}
     for text in texts:

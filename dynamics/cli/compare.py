@@ -91,7 +91,7 @@ def handle(args: argparse.Namespace) -> int:
         )
     init_args = run_init_args(args.init_args)
     if args.model is not None and barrier_points:
-        from dynamics.rebuild import model_target
+        from dynamics.model.rebuild import model_target
 
         # The user's --model (a typo, a missing file) is their input, not a run's remark.
         model_target(args.model)

@@ -89,7 +89,7 @@ def _check_before_any_file(args: argparse.Namespace) -> None:
     """The checks write_plane does not make before it claims its outputs and opens the runs
     (it checks ``coarse`` and ``processes`` >= 1 first itself); they move into it when it
     makes them first, and then its ParameterError names the flag (``FLAG_OF``)."""
-    from dynamics.memory import check_fits
+    from dynamics.system import check_fits
 
     if args.grid < 2:
         raise DynamicsError(f"--grid must be at least 2, got {args.grid}")

@@ -55,7 +55,7 @@ def handle(args: argparse.Namespace) -> int:
     from dynamics.analysis.reproduction_page import CLAIMS_HEADER, claim_rows
     from dynamics.experiments.config import parse_seeds
     from dynamics.experiments.reproduce import reproduce
-    from dynamics.experiments.seed_runs import available_cores
+    from dynamics.system import available_cores
 
     check_range("--steps", args.steps, 1, INT64_MAX)
     # run_seeds checks jobs as well, but only after reproduce() has checked every output:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynamics.broadening import broadened_density
+from dynamics.curvature.broadening import broadened_density
 from dynamics.curvature.krylov import KrylovBasis, random_vectors
 from dynamics.curvature.operator import LinearOperator
 

@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dynamics import world
-from dynamics.params import flatten
+from dynamics.params.vectors import flatten
 
 
 class LinearOperator(Protocol):

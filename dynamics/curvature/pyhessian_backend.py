@@ -11,8 +11,8 @@ from torch import nn
 
 from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.operator import twice_differentiable
-from dynamics.isolation import side_effect_free
-from dynamics.params import flatten
+from dynamics.params.vectors import flatten
+from dynamics.passes.isolation import side_effect_free
 
 
 def pyhessian_eigenpairs(
@@ -27,7 +27,7 @@ def pyhessian_eigenpairs(
 
     PyHessian switches its model to eval mode, fills ``.grad`` through ``backward`` and draws
     start vectors from the global RNG; here it runs on a shim model holding ``params`` inside
-    :func:`~dynamics.isolation.side_effect_free`, so all of that is undone, and in the
+    :func:`~dynamics.passes.isolation.side_effect_free`, so all of that is undone, and in the
     parameters' dtype. The products it makes are counted with a gradient hook on the first
     parameter (one call per product, plus one for its initial gradient).
 

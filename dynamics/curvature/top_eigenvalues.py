@@ -14,7 +14,7 @@ from dynamics.curvature.operator import HessianOperator
 from dynamics.curvature.power import power_iteration
 from dynamics.curvature.pyhessian_backend import pyhessian_eigenpairs
 from dynamics.curvature.restarted_lanczos import lanczos
-from dynamics.isolation import side_effect_free
+from dynamics.passes.isolation import side_effect_free
 
 Backend = Literal["lanczos", "power", "pyhessian"]
 
@@ -58,7 +58,8 @@ def top_eigenvalues(
             (``"lanczos"`` only), e.g. the ``eigenvectors`` of the previous training step.
         seed: seed of the random start vectors (the global RNG is not used).
         module: the module ``loss_fn`` runs through; if given, the computation runs inside
-            :func:`~dynamics.isolation.side_effect_free`, so dropout draws, BatchNorm buffers and
+            :func:`~dynamics.passes.isolation.side_effect_free`, so dropout draws, BatchNorm buffers
+            and
             train/eval flags are as before. ``.grad`` is never changed, module or not.
         average_across_ranks: take the Hessian of the loss averaged over the ranks of the
             initialised ``torch.distributed`` group (every rank must call this).

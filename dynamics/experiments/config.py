@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
-from dynamics.activations import SHIFTS
+from dynamics.bias.activations import SHIFTS
 from dynamics.errors import DynamicsError
 from dynamics.experiments.registry import get
 
@@ -174,7 +174,7 @@ def parse_seeds(value: Any, name: str = "seeds") -> list[int]:
 
 
 def check_shifts(shifts: Mapping[str, Any]) -> None:
-    """Refuse a shift that is neither one of :data:`~dynamics.activations.SHIFTS` nor a finite
+    """Refuse a shift that is neither one of :data:`~dynamics.bias.activations.SHIFTS` nor a finite
     number.
 
     Raises:

@@ -41,6 +41,7 @@ from dynamics.experiments import runner
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.registry import Built, Experiment, Recording
 from dynamics.store import RunLock, open_run
+from dynamics.system import available_cores
 
 #: The summary written beside the runs.
 SUMMARY = "summary.json"
@@ -78,11 +79,6 @@ class GroupResult:
 def run_path(out_dir: Path, variant: str, seed: int) -> Path:
     """Where a group keeps one run: ``out_dir/<variant>/seed<k>.h5``."""
     return out_dir / variant / f"seed{seed}.h5"
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0))
 
 
 def run_seeds(
@@ -528,7 +524,6 @@ __all__ = [
     "SUMMARY",
     "GroupResult",
     "RunFailure",
-    "available_cores",
     "check_outputs",
     "crossover_steps",
     "run_path",

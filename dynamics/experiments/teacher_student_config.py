@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynamics.activations import ACTIVATIONS
+from dynamics.bias.activations import ACTIVATIONS
 from dynamics.experiments.config import (
     ConfigError,
     ExperimentConfig,
@@ -14,7 +14,7 @@ from dynamics.experiments.config import (
     check_shifts,
 )
 from dynamics.experiments.teacher_student import OPTIMIZERS, parameter_count
-from dynamics.memory import check_fits
+from dynamics.system import check_fits
 
 
 @dataclass

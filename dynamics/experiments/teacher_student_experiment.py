@@ -22,9 +22,10 @@ from dynamics.experiments.registry import Built, Experiment, Recording, register
 from dynamics.experiments.teacher_student import TeacherStudentData, TeacherStudentModule
 from dynamics.experiments.teacher_student_config import TeacherStudentConfig
 from dynamics.experiments.variants import hessian_probes
-from dynamics.initial_gradient import initial_gradient
-from dynamics.params import ParameterLayout, parameter_vector
-from dynamics.plane import Plane, plane_from_gradients
+from dynamics.geometry.plane import Plane, plane_from_gradients
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import parameter_vector
+from dynamics.passes.initial_gradient import initial_gradient
 from dynamics.store import names
 
 

@@ -13,7 +13,6 @@ import dataclasses
 import os
 import socket
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -23,7 +22,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import h5py
 import numpy as np
 
-from dynamics.errors import DynamicsError
 from dynamics.store import frames, names
 from dynamics.store.inspection import allocated, inspect_file
 from dynamics.store.opening import check_head, open_live
@@ -47,9 +45,8 @@ from dynamics.store.views import STANDARD_VIEWS, standard_view
 if TYPE_CHECKING:
     import pandas as pd
     import xarray as xr
-    from torch import nn
 
-    from dynamics.params import BufferLayout, ParameterLayout
+    from dynamics.params.layout import BufferLayout, ParameterLayout
 
 
 @dataclass(frozen=True)
@@ -234,7 +231,9 @@ class Run:
 
     @cached_property
     def layout(self) -> ParameterLayout | None:
-        from dynamics.params import ParameterLayout  # torch, which offline summaries never need
+        from dynamics.params.layout import (
+            ParameterLayout,  # torch, which offline summaries never need
+        )
 
         data = self.attrs.get(names.ATTR_LAYOUT)
         return ParameterLayout.from_dict(data) if data else None
@@ -243,7 +242,7 @@ class Run:
     def buffer_layout(self) -> BufferLayout | None:
         """The layout of the module's persistent buffers; None in files from before buffers
         were recorded."""
-        from dynamics.params import BufferLayout
+        from dynamics.params.layout import BufferLayout
 
         data = self.attrs.get(names.ATTR_BUFFERS)
         return BufferLayout.from_dict(data) if data is not None else None
@@ -282,113 +281,6 @@ class Run:
             buffers = self._stored_buffers(names.THETA_FINAL_BUFFERS)
             states.append(StoredState(self._final_step(), "theta_final", final, buffers))
         return states
-
-    def load_into(self, model: nn.Module, step: int | None = None) -> StoredState:
-        """Load a stored state into ``model`` in place: its parameters and buffers.
-
-        Args:
-            model: a module of the run's parameter layout (its own instance, or
-                :func:`dynamics.rebuild.rebuild_module`'s).
-            step: the stored state nearest this optimizer step is loaded (θ0 counts as step
-                0, θT as the run's number of steps; the earlier on a tie); None: θT, or the
-                latest state stored when the run ended before storing θT.
-
-        Returns:
-            The state loaded.
-
-        Raises:
-            RunFileError: the run stores no θ0 or no parameter layout.
-            DynamicsError: the model's parameters, buffers or submodules (class and settings,
-                e.g. a shifted activation) differ from the run's, or its frozen parameters
-                (which the file holds only as a hash) are not the run's.
-
-        Warns:
-            UserWarning: the model has persistent buffers and the run recorded none: the model
-                keeps its own (e.g. BatchNorm's initial running statistics), not the run's.
-        """
-        from dynamics.params import BufferLayout, load_state
-
-        if self.layout is None:
-            raise RunFileError(f"{self.path.name}: no parameter layout recorded")
-        differing = self.submodule_differences(model)
-        if differing:
-            from dynamics.rebuild import builds_in_configure_model
-
-            # The same parameters in a module of other activations (a run shifted by
-            # ShiftActivations loaded into the unshifted class) compute other losses silently.
-            advice = (
-                "call model.configure_model() first, which builds its layers, or load into "
-                if builds_in_configure_model(model)
-                else "load into "
-            )
-            raise DynamicsError(
-                f"{self.path.name}: the model's submodules differ from the run's "
-                f"({differing}); {advice}dynamics.rebuild.rebuild_module(run), which replays "
-                "what callbacks did to the module at fit time"
-            )
-        self.check_frozen_parameters(model)
-        states = self.stored_states()
-        state = states[-1] if step is None else min(states, key=lambda s: abs(s.step - step))
-        try:
-            load_state(model, state.theta, self.layout, state.buffers, self.buffer_layout)
-        except ValueError as error:
-            raise DynamicsError(
-                f"{self.path.name}: the model differs from the run's: {error}"
-            ) from None
-        if state.buffers is None and BufferLayout.of(model).names:
-            warnings.warn(
-                f"{self.path.name}: no buffers recorded; the model keeps its own", stacklevel=2
-            )
-        return state
-
-    def check_frozen_parameters(self, model: nn.Module) -> None:
-        """Refuse ``model`` if its frozen parameters (``requires_grad=False``) are not the run's.
-
-        The run file stores only their hash (at θ0): a model whose constructor draws them
-        afresh, rather than loading what the run had, would compute other losses silently.
-
-        Raises:
-            DynamicsError: they differ from the run's (or the model has none and the run had).
-        """
-        from dynamics.params import frozen_hash
-
-        recorded = self.attrs.get(names.ATTR_FROZEN_SHA256)
-        if recorded is not None and frozen_hash(model) != recorded:
-            raise DynamicsError(
-                f"{self.path.name}: the model's frozen parameters (requires_grad=False) are not "
-                "the run's, which the run file holds only as a hash; build the model so that "
-                "it has them (the same pretrained weights or seed), or pass --model a factory "
-                "that does"
-            )
-
-    def submodule_differences(self, model: nn.Module) -> str:
-        """Where ``model``'s submodules differ in class or settings from those the run
-        recorded at fit time, as text naming the first three; ``""`` when they agree or the
-        run recorded none (files from before they were recorded).
-
-        Classes are compared by their own name: a class loaded from a file lives in a module
-        of another name than the training script's.
-        """
-        from dynamics.params import named_submodules
-
-        recorded = self.attrs.get(names.ATTR_SUBMODULES)
-        if not isinstance(recorded, dict):
-            return ""
-        found = {
-            name: [type(child).__name__, child.extra_repr()]
-            for name, child in named_submodules(model)
-        }
-        recorded = {
-            name: [path.rsplit(".", 1)[-1], text] for name, (path, text) in recorded.items()
-        }
-        differing = [
-            n for n in sorted(found.keys() | recorded.keys()) if found.get(n) != recorded.get(n)
-        ]
-        shown = "; ".join(
-            f"{n}: {_module_text(recorded.get(n))} in the run, {_module_text(found.get(n))} here"
-            for n in differing[:3]
-        )
-        return shown + (f"; and {len(differing) - 3} more" if len(differing) > 3 else "")
 
     def _buffer_dtypes(self) -> tuple[str, ...]:
         return self.buffer_layout.stored_dtypes if self.buffer_layout is not None else ()
@@ -1138,7 +1030,3 @@ def _complete_rows(step: np.ndarray, lengths: list[int]) -> int:
     written = step[:n] != UNWRITTEN_STEP
     increasing = np.concatenate([[True], np.diff(step[:n]) > 0])
     return int(np.argmin(written & increasing)) if not (written & increasing).all() else n
-
-
-def _module_text(record: list[str] | None) -> str:
-    return "absent" if record is None else f"{record[0]}({record[1]})"

@@ -1,7 +1,7 @@
 """Planes through parameter space and the coordinates of parameter vectors on them.
 
 A :class:`Plane` is an origin θ0 and an orthonormal pair (u, v) of flat parameter vectors (in a
-run's :class:`~dynamics.params.ParameterLayout` order). The paper's Fig. 3 (seed 002, §2.3)
+run's :class:`~dynamics.params.layout.ParameterLayout` order). The paper's Fig. 3 (seed 002, §2.3)
 uses the plane of two students' initial gradients and, for the out-of-plane view, the plane of
 a student's in-plane direction and the normalized part of its displacement orthogonal to the
 first plane. Runs whose initial gradients coincide (one model at two learning rates) get the
@@ -25,7 +25,8 @@ import torch
 from numpy.typing import ArrayLike
 
 from dynamics.errors import DynamicsError
-from dynamics.params import ParameterLayout
+from dynamics.params.layout import ParameterLayout
+from dynamics.store import Run, names
 
 #: Largest deviation of a plane's Gram matrix from the identity that still counts as orthonormal.
 ORTHONORMAL_TOLERANCE = 1e-6
@@ -517,3 +518,18 @@ def _check_sizes(**vectors: np.ndarray) -> None:
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{name} {size}" for name, size in sizes.items())
         raise DynamicsError(f"vector sizes differ ({listed}): not the same parameter layout")
+
+
+def missing_plane_data(run: Run, what: str) -> DynamicsError:
+    """The error for a run that stores no ``what`` (g0, the probe batch) of ``GradientPlane``:
+    why the probe stepped aside when it recorded that (e.g. a manually optimized module
+    without ``dynamics_loss``), else that it was not attached."""
+    why = next(
+        (
+            f"GradientPlane stepped aside at step {event.step}: {event.message}"
+            for event in run.events()
+            if event.probe == names.PLANE and event.kind in ("disabled", "error")
+        ),
+        "record with GradientPlane",
+    )
+    return DynamicsError(f"{run.path.name}: no {what} stored ({why})")

@@ -2,7 +2,8 @@
 
 A :class:`LossSurface` holds one module and one in-memory batch and answers "what is the loss at
 this parameter vector?". :func:`evaluate_grid` asks it at every point θ0 + a·u + b·v of a
-:class:`~dynamics.plane.Grid`, row chunk by row chunk, optionally split across the ranks of a
+:class:`~dynamics.geometry.plane.Grid`, row chunk by row chunk, optionally split across the ranks of
+a
 torch.distributed process group. :func:`trajectory` puts a run's checkpoints on a plane with the
 loss there. Core, so that both the offline ``dynamics plane`` and a probe evaluating at the end
 of fit (``GradientPlane(at_end=True)``) use the same code.
@@ -21,11 +22,13 @@ import torch.distributed as dist
 from numpy.typing import ArrayLike
 from torch import nn
 
-from dynamics.isolation import Mode, checked_mode
-from dynamics.loss_rule import module_loss
-from dynamics.nearest_buffers import NearestBuffers
-from dynamics.params import ParameterLayout, module_copy, named_parameters, parameter_vector
-from dynamics.plane import Grid, Plane, in_plane_shares, project
+from dynamics.geometry.nearest_buffers import NearestBuffers
+from dynamics.geometry.plane import Grid, Plane, in_plane_shares, project
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.naming import module_copy, named_parameters
+from dynamics.params.vectors import parameter_vector
+from dynamics.passes.isolation import Mode, checked_mode
+from dynamics.passes.loss_rule import module_loss
 
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]
 #: Called with ``(first_row, rows)`` as each chunk of a heatmap's rows is finished.
@@ -93,7 +96,7 @@ class LossSurface:
 
     Buffers (BatchNorm running statistics) follow ``buffers``, when given: each point is
     evaluated with those of the run's stored state nearest to it (see
-    :mod:`dynamics.nearest_buffers`).
+    :mod:`dynamics.geometry.nearest_buffers`).
 
     A loss that draws random numbers sees the same draws at every point (the global RNG is
     reset to a state seeded by ``seed`` before each evaluation, inside a forked RNG, so the
@@ -105,10 +108,10 @@ class LossSurface:
         layout: the layout of the parameter vectors that will be evaluated.
         batch: the batch the loss is computed on, already on the module's device.
         loss_fn: scalar loss of ``(module, batch)``; defaults to the toolkit's loss rule
-            (:func:`dynamics.loss_rule.module_loss`).
+            (:func:`dynamics.passes.loss_rule.module_loss`).
         seed: seed of the random draws a stochastic loss sees.
         buffers: the buffers each point uses; None: the module's own at every point.
-        mode: the :data:`~dynamics.isolation.Mode` the copy is evaluated in.
+        mode: the :data:`~dynamics.passes.isolation.Mode` the copy is evaluated in.
 
     Raises:
         ValueError: if the module lacks a parameter of ``layout`` or has it in another shape,

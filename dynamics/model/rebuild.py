@@ -52,41 +52,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from dynamics.activations import ShiftedActivation
-from dynamics.batch_tree import unflatten_batch
+from dynamics.bias.activations import ShiftedActivation
 from dynamics.bias.shift import shift_activations
 from dynamics.errors import DynamicsError, one_line
-from dynamics.memory import available_bytes, check_fits
-from dynamics.params import ParameterLayout, load_state
+from dynamics.model.loading import check_frozen_parameters, submodule_differences
+from dynamics.model.record import builds_in_configure_model, init_parameters
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import load_state
 from dynamics.store import Run, names
-
-
-def class_path(obj: object) -> str:
-    """``module.QualifiedName`` of ``obj``'s class: how run files name a class."""
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def module_record(module: nn.Module) -> dict[str, Any]:
-    """What the run file stores to rebuild ``module``: ``class_path``, the JSON ``init_args``
-    it saved as hyperparameters, and ``unrecorded_init_args``, the ``__init__`` arguments it
-    did not save or whose values JSON cannot hold (modules, dtypes, functions)."""
-    cls = type(module)
-    hparams = dict(getattr(module, "hparams", {}) or {})
-    init_args, unrecorded = {}, []
-    for name, value in hparams.items():
-        if name.startswith("_"):  # LightningCLI's _class_path/_instantiator, not init args
-            continue
-        try:
-            init_args[name] = json.loads(json.dumps(value))
-        except (TypeError, ValueError):
-            unrecorded.append(name)
-    unrecorded += [name for name in _init_parameters(cls) if name not in hparams]
-    return {
-        "class_path": class_path(module),
-        "init_args": init_args,
-        "unrecorded_init_args": sorted(unrecorded),
-    }
+from dynamics.system import available_bytes, check_fits
 
 
 @dataclass(frozen=True)
@@ -192,7 +166,7 @@ def rebuild_module(
     if inspect.isclass(target):
         args = {**(spec.get("init_args") or {}), **given}
         unrecorded = set(spec.get("unrecorded_init_args", ()))
-        unrecorded |= {n for n in _init_parameters(target) if n not in args}
+        unrecorded |= {n for n in init_parameters(target) if n not in args}
         missing = sorted(unrecorded - init_args.completing(run))
         if missing:
             raise _missing_init_args(run, target, missing, init_args)
@@ -205,7 +179,7 @@ def rebuild_module(
     # Before θ0 is loaded: a shifted activation holds its φ as a child, under another name.
     _replay_edits(run, module, given_model=bool(model))
     _load_theta0(run, module, args)
-    run.check_frozen_parameters(module)
+    check_frozen_parameters(run, module)
     _check_submodules(run, module)
     return module
 
@@ -367,66 +341,6 @@ def _built(target: Any, args: Mapping[str, Any], where: str) -> nn.Module:
     return module
 
 
-def builds_in_configure_model(module: nn.Module) -> bool:
-    """Whether the LightningModule's class defines ``configure_model``: layers Lightning builds
-    after the callbacks' ``setup``, when a fit (or validation, test, prediction) starts."""
-    for cls in type(module).__mro__:
-        if cls.__module__.split(".")[0] in ("pytorch_lightning", "lightning"):
-            return False
-        if "configure_model" in vars(cls):
-            return True
-    return False
-
-
-def probe_batch(run: Run) -> Any:
-    """The stored probe batch, rebuilt with its structure (dicts, lists, tuples, named
-    tuples; see :mod:`dynamics.batch_tree`).
-
-    A file from before the structure was stored gives its tensors as a tuple (one tensor
-    alone when there is one).
-
-    Raises:
-        DynamicsError: the run stores no probe batch, or one that cannot be rebuilt.
-    """
-    leaf_names = sorted(
-        (n for n in run.vector_names if n.startswith(names.PROBE_BATCH_PREFIX)),
-        key=lambda n: int(n.rpartition(".")[2]),
-    )
-    leaves = [run.vector(n) for n in leaf_names]
-    structure = next(
-        (
-            probe["settings"][names.PROBE_BATCH_STRUCTURE]
-            for probe in run.attrs.get(names.ATTR_PROBES) or ()
-            if names.PROBE_BATCH_STRUCTURE in (probe.get("settings") or {})
-        ),
-        None,
-    )
-    if any(leaf is None for leaf in leaves) or not (leaves or structure):
-        raise missing_plane_data(run, "probe batch")
-    tensors = [torch.from_numpy(leaf) for leaf in leaves]
-    if structure is None:
-        return tuple(tensors) if len(tensors) > 1 else tensors[0]
-    try:
-        return unflatten_batch(structure, tensors)
-    except ValueError as error:
-        raise DynamicsError(f"{run.path.name}: {error}") from None
-
-
-def missing_plane_data(run: Run, what: str) -> DynamicsError:
-    """The error for a run that stores no ``what`` (g0, the probe batch) of ``GradientPlane``:
-    why the probe stepped aside when it recorded that (e.g. a manually optimized module
-    without ``dynamics_loss``), else that it was not attached."""
-    why = next(
-        (
-            f"GradientPlane stepped aside at step {event.step}: {event.message}"
-            for event in run.events()
-            if event.probe == names.PLANE and event.kind in ("disabled", "error")
-        ),
-        "record with GradientPlane",
-    )
-    return DynamicsError(f"{run.path.name}: no {what} stored ({why})")
-
-
 def _load_theta0(run: Run, module: nn.Module, args: Mapping[str, Any]) -> None:
     if run.layout is None:
         raise DynamicsError(f"{run.path.name}: no parameter layout recorded")
@@ -493,7 +407,7 @@ def _replay_shift(run: Run, module: nn.Module, edit: Mapping[str, Any]) -> None:
 
 def _check_submodules(run: Run, module: nn.Module) -> None:
     """Refuse a rebuilt model whose submodules differ in class or settings from the run's."""
-    differing = run.submodule_differences(module)
+    differing = submodule_differences(run, module)
     if differing:
         raise DynamicsError(
             f"{run.path.name}: the rebuilt model's submodules differ from the run's "
@@ -501,17 +415,6 @@ def _check_submodules(run: Run, module: nn.Module) -> None:
             "the training script)? Shift it with the ShiftActivations callback, or pass "
             "--model a factory that builds it as trained"
         )
-
-
-def _init_parameters(cls: type) -> list[str]:
-    """The named arguments of ``cls.__init__`` (not ``*args``/``**kwargs``, which cannot be
-    told apart from nothing passed)."""
-    try:
-        parameters = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin)
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in parameters if p.kind in kinds]
 
 
 def _check_module_class(run: Run, class_path: str, target: Any) -> None:

@@ -1,4 +1,5 @@
-"""How much memory this machine has free, to refuse a job that cannot fit before it starts."""
+"""What this machine offers a job: the memory free (to refuse a job that cannot fit before it
+starts) and the cores this process may run on."""
 
 from __future__ import annotations
 
@@ -37,3 +38,8 @@ def check_fits(what: str, needed_bytes: float) -> None:
             f"{what} needs at least {needed_bytes / 2**30:,.1f} GiB of memory; "
             f"{available / 2**30:,.1f} GiB are available"
         )
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dynamics.params import BufferLayout
-from dynamics.plane import Plane
+from dynamics.geometry.plane import Plane
+from dynamics.params.layout import BufferLayout
 from dynamics.store import Run, StoredState
 
 #: Entries of float64 differences formed at once when finding the nearest state.

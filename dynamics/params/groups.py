@@ -16,7 +16,7 @@ from typing import Literal
 
 from torch import nn
 
-from dynamics.name_globs import glob_any, glob_match
+from dynamics.params.globs import glob_any, glob_match
 
 #: The named groupings: ``"kind"`` (bias, weight, normalization) or ``"layer"`` (the module
 #: that owns each parameter).
@@ -71,7 +71,7 @@ def group_parameters(
         groups: ``"kind"`` (see the module docstring), ``"layer"`` (one group per module that
             owns parameters, named by its dotted name, ``"(root)"`` for the model's own), or
             ``{group: [glob, ...]}`` matched against dotted parameter names with
-            :mod:`dynamics.name_globs` (``"**.bias"``, ``"blocks.*.fc1.*"``); a parameter goes to
+            :mod:`dynamics.params.globs` (``"**.bias"``, ``"blocks.*.fc1.*"``); a parameter goes to
             the first group with a matching pattern, and to ``"other"`` if none matches.
 
     Raises:

@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 from dynamics import world
-from dynamics.isolation import Mode, side_effect_free
-from dynamics.loss_rule import module_loss
-from dynamics.params import ParameterLayout, flatten
+from dynamics.params.layout import ParameterLayout
+from dynamics.params.vectors import flatten
+from dynamics.passes.isolation import Mode, side_effect_free
+from dynamics.passes.loss_rule import module_loss
 
 
 def initial_gradient(
@@ -17,7 +18,8 @@ def initial_gradient(
 ) -> torch.Tensor:
     """∇L(θ) on ``batch`` as a flat vector, leaving the module, RNG and ``.grad`` as they were.
 
-    The loss is found by :func:`~dynamics.loss_rule.module_loss`. Under an initialized process
+    The loss is found by :func:`~dynamics.passes.loss_rule.module_loss`. Under an initialized
+    process
     group every rank must call this; the result is the average of the ranks' gradients, as
     data-parallel training would apply.
 
@@ -25,11 +27,12 @@ def initial_gradient(
         module: the model.
         batch: the batch the loss is taken on, on the module's device.
         layout: the parameters differentiated, and the order of the result.
-        mode: the :data:`~dynamics.isolation.Mode` the module runs in; by default ``"eval"``, the
+        mode: the :data:`~dynamics.passes.isolation.Mode` the module runs in; by default ``"eval"``,
+        the
             mode in which loss landscapes on the plane of such gradients are drawn.
 
     Raises:
-        ~dynamics.loss_rule.LossUnavailable: if the loss rule finds no loss for the module.
+        ~dynamics.passes.loss_rule.LossUnavailable: if the loss rule finds no loss for the module.
         FloatingPointError: if the gradient is NaN or infinite (on any rank).
     """
     params = layout.parameters(module)

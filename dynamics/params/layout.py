@@ -1,22 +1,16 @@
-"""Parameter-vector math: one flat vector per model state, in a fixed, recorded order.
+"""Layouts of a model's state: the order in which parameters (and persistent buffers) are
+flattened into one vector.
 
 Every vector the toolkit stores or projects (θ0, snapshots, gradients, plane bases) is laid out
 by a :class:`ParameterLayout`, so a vector written during training can be mapped back onto the
 parameters offline, and two runs can be checked for the same layout before they are compared.
 A module's buffers (BatchNorm running statistics, counters) are stored beside them, laid out
 by a :class:`BufferLayout`.
-
-Names are those of the module as written, without ``torch.compile``'s wrapper: a compiled
-submodule (``self.net = torch.compile(net)``) holds its module as ``_orig_mod``, which adds
-``_orig_mod.`` to every name below it but is no layer, so a compiled and an uncompiled run of one
-model have one layout (and a run file rebuilds into either).
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 
@@ -24,75 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-#: The attribute under which ``torch.compile``'s ``OptimizedModule`` holds the compiled module.
-COMPILE_WRAPPER = "_orig_mod"
-
-
-def unwrapped_name(name: str) -> str:
-    """``name`` of a parameter, buffer or submodule without ``torch.compile``'s wrapper."""
-    return ".".join(part for part in name.split(".") if part != COMPILE_WRAPPER)
-
-
-def is_compile_wrapper(module: nn.Module) -> bool:
-    """Whether ``module`` is ``torch.compile``'s wrapper around another (its only child)."""
-    return COMPILE_WRAPPER in module._modules
-
-
-def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``module.named_parameters()`` under their :func:`unwrapped_name`."""
-    return [(unwrapped_name(n), p) for n, p in module.named_parameters()]
-
-
-def named_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``module.named_modules()`` under their :func:`unwrapped_name`, ``torch.compile``'s
-    wrappers left out (the module they wrap stands under the wrapper's name)."""
-    return [
-        (unwrapped_name(name), child)
-        for name, child in module.named_modules()
-        if not is_compile_wrapper(child)
-    ]
-
-
-def named_submodules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """:func:`named_modules` but ``module`` itself."""
-    return [(name, child) for name, child in named_modules(module) if name]
-
-
-def compiled_modules(module: nn.Module) -> list[str]:
-    """The names of ``module``'s parts ``torch.compile`` compiled: ``""`` for the module itself
-    (Lightning unwraps ``trainer.fit(torch.compile(model))`` and compiles its steps in place),
-    else each wrapped submodule's :func:`unwrapped_name`."""
-    whole = getattr(module, "_compiler_ctx", None) is not None or is_compile_wrapper(module)
-    inner = [unwrapped_name(n) for n, m in module.named_modules() if n and is_compile_wrapper(m)]
-    return [""] + inner if whole else inner
-
-
-#: The methods Lightning replaces with compiled ones on the instance when it unwraps
-#: ``trainer.fit(torch.compile(model))`` (``pytorch_lightning.utilities.compile.from_compiled``).
-_LIGHTNING_COMPILED_METHODS = (
-    "forward",
-    "training_step",
-    "validation_step",
-    "test_step",
-    "predict_step",
-)
-
-
-def module_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` that computes with its own parameters.
-
-    Lightning compiles a LightningModule in place: its instance's ``forward`` and steps become
-    compiled functions bound to that instance, which a plain ``copy.deepcopy`` keeps, so the
-    copy's forward would compute with the original's parameters (another loss, silently). The
-    copy's methods are its class's again, uncompiled; compiled submodules copy correctly.
-    """
-    twin = copy.deepcopy(module)
-    for copied in twin.modules():
-        if getattr(copied, "_compiler_ctx", None) is not None:
-            for method in _LIGHTNING_COMPILED_METHODS:
-                copied.__dict__.pop(method, None)
-            copied._compiler_ctx = None
-    return twin
+from dynamics.params.naming import named_parameters, unwrapped_name
 
 
 @dataclass(frozen=True)
@@ -272,60 +198,3 @@ def _storage(dtype: str) -> str:
         return np.dtype(dtype).name if np.dtype(dtype).kind in "biuf" else ""
     except TypeError:
         return ""
-
-
-def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Concatenate tensors into one detached flat vector (a copy), half precision as exact
-    float32 (:func:`storable`): differences of half-precision vectors would be rounded to it."""
-    return storable(torch.cat([t.detach().reshape(-1) for t in tensors]))
-
-
-def storable(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as numpy and run files can hold it: half-precision floats (a "bf16-true"
-    fit's parameters and inputs) as float32, exactly; any other dtype as it is."""
-    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
-
-
-def parameter_vector(module: nn.Module, layout: ParameterLayout | None = None) -> torch.Tensor:
-    """A detached flat copy of ``module``'s trainable parameters."""
-    layout = layout or ParameterLayout.of(module)
-    return flatten(layout.parameters(module))
-
-
-@torch.no_grad()
-def load_vector(module: nn.Module, vector: torch.Tensor, layout: ParameterLayout) -> None:
-    """Copy a flat ``vector`` into ``module``'s parameters in place."""
-    for p, chunk in zip(layout.parameters(module), layout.split(vector)):
-        p.copy_(chunk)
-
-
-def load_state(
-    module: nn.Module,
-    theta: np.ndarray | torch.Tensor,
-    layout: ParameterLayout,
-    buffers: Mapping[str, np.ndarray] | None = None,
-    buffer_layout: BufferLayout | None = None,
-) -> None:
-    """Copy a stored state into ``module``: flat parameters ``theta`` and, when given, its
-    flat ``buffers`` (``{stored dtype: vector}``).
-
-    Raises:
-        ValueError: the module's parameters or buffers differ from the layouts.
-    """
-    load_vector(module, torch.as_tensor(np.asarray(theta)), layout)
-    if buffers is not None and buffer_layout is not None:
-        buffer_layout.load(module, buffers)
-
-
-def vector_hash(vector: torch.Tensor | np.ndarray) -> str:
-    """SHA-256 of a vector's float32 little-endian bytes: equal hashes mean bit-equal θ0."""
-    # Through float32 in torch: numpy has no bfloat16.
-    array = vector.detach().float().cpu().numpy() if isinstance(vector, torch.Tensor) else vector
-    return hashlib.sha256(np.ascontiguousarray(array, dtype="<f4").tobytes()).hexdigest()
-
-
-def frozen_hash(module: nn.Module) -> str | None:
-    """:func:`vector_hash` of ``module``'s frozen parameters (``requires_grad=False``, by name),
-    which a run file does not store; None when it has none."""
-    frozen = [p for _, p in sorted(named_parameters(module)) if not p.requires_grad]
-    return vector_hash(flatten(frozen)) if frozen else None
