@@ -43,6 +43,8 @@ FLAG_OF = {
     "barrier_batch": "--barrier-batch",
     # the bias audit
     "draws": "--draws",
+    # every command that writes
+    "overwrite": "--overwrite",
     # run_seeds and reproduce
     "jobs": "--jobs",
     "only": "--only",
