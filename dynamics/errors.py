@@ -47,6 +47,11 @@ class ParameterError(DynamicsError):
         self.problem = problem
         super().__init__(f"{parameter} {problem}")
 
+    def __reduce__(self) -> tuple:
+        # Exceptions pickle as cls(*args), and args holds the one message: a worker process's
+        # error (or an error quoting this one) would not unpickle.
+        return type(self), (self.parameter, self.problem), self.__dict__
+
     def naming(self, spelling: str) -> str:
         """The message with the parameter spelled ``spelling`` (e.g. ``--grid``)."""
         return f"{spelling} {self.problem}"

@@ -1,6 +1,7 @@
 """The command line as a package: its public parser, and library parameter errors printed with
 the flag the user typed (``FLAG_OF``), also when a library wrapper quotes them."""
 
+import pickle
 import subprocess
 import sys
 
@@ -71,6 +72,14 @@ def test_parameters_a_message_quotes_are_spelled_as_their_flags():
     # a parameter no flag feeds keeps the library's name
     assert error_line(ParameterError("dtype", "must be floating")) == "dtype must be floating"
     assert error_line(DynamicsError("plain")) == "plain"
+
+
+def test_parameter_errors_and_errors_quoting_them_pickle():
+    model = ParameterError("model", "path/to/file.py:Net")
+    advice = pickle.loads(pickle.dumps(DynamicsError(f"pass {model}").quoting(model)))
+    assert error_line(advice) == "pass --model path/to/file.py:Net"
+    (quoted,) = advice.quoted
+    assert (quoted.parameter, quoted.problem, str(quoted)) == ("model", model.problem, str(model))
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["info", "--help"]])

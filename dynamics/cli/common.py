@@ -33,7 +33,6 @@ FLAG_OF = {
     "trust_recorded_model": "--trust-recorded-model",
     # write_plane and its plane
     "plane": "--plane",
-    "kind": "--plane",
     "grid_side": "--grid",
     "margin": "--span",
     "coarse": "--coarse",
@@ -49,7 +48,7 @@ FLAG_OF = {
     "jobs": "--jobs",
     "only": "--only",
     "configs": "--configs",
-    # load_config's overrides
+    # load_config's overrides (a bad value in the YAML file is the file's, not a parameter's)
     "steps": "--steps",
     "seed": "--seed",
     "seeds": "--seeds",
