@@ -88,3 +88,10 @@ def test_python_m_dynamics_cli_is_the_command(argv):
         [sys.executable, "-m", "dynamics.cli", *argv], capture_output=True, text=True
     )
     assert result.returncode == 0 and "usage: dynamics" in result.stdout
+
+
+def test_the_audit_target_is_not_spelled_as_model(tmp_path, capsys):
+    # build_module's refusal names its model parameter; audit's target is no --model flag.
+    missing = tmp_path / "nope.py"
+    assert main(["audit", f"{missing}:Net"]) == 2
+    assert capsys.readouterr().err == f"dynamics: error: {missing}:Net: no such file {missing}\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamics.cli.common import json_object, print_table
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 
 if TYPE_CHECKING:
     from dynamics.bias.audit_result import AuditResult
@@ -125,7 +125,12 @@ def handle(args: argparse.Namespace) -> int:
     elif args.model or args.trust_recorded_model:
         raise DynamicsError("--model and --trust-recorded-model go with a run file")
     else:
-        model = build_module(_class_spec(args.target), init_args)
+        try:
+            model = build_module(_class_spec(args.target), init_args)
+        except ParameterError as error:
+            if error.parameter != "model":
+                raise
+            raise DynamicsError(error.problem) from None  # the target given, not --model
     if inputs:
         example, note = _example_input(args, model, shape)
     if result is None:
