@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` (the controlled experiment, ending in a report)
-# and `make test`. Both create the virtual environment on first use.
+# and `make test`. Both create the virtual environment on first use. `make docs` builds the site.
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch goes in first: a plain `torch` requirement with no torch installed
@@ -7,10 +7,12 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # Small models run fastest on one thread; several threads per process thrash a shared machine.
 export OMP_NUM_THREADS ?= 1
+# The demo's outputs stay beside the checkout for the user to open, under runs/, which git
+# ignores (nothing shows in `git status`, nothing tracked is touched) and `make clean` removes.
 DEMO_OUT ?= runs/demo
 REPRODUCE_OUT ?= runs/reproduce
 
-.PHONY: demo reproduce test lint format bench clean
+.PHONY: demo reproduce test lint format bench docs clean
 
 $(BIN)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -46,6 +48,14 @@ lint: $(BIN)/.installed
 format: $(BIN)/.installed
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# The docs site into build/site, strictly: a broken link or API reference fails the build.
+docs: $(BIN)/.docs-installed
+	$(BIN)/mkdocs build --strict
+
+$(BIN)/.docs-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	touch $@
 
 bench: $(BIN)/.installed
 	for script in benchmarks/*.py; do $(BIN)/python $$script || exit 1; done

@@ -1,9 +1,12 @@
-"""Smoke test of the installed wheel: record a BoringModel, then `dynamics info` and `report`.
+"""Smoke test of the installed wheel, as a user installs it: the library and the command.
 
 Run by `.ci/wheel-smoke` inside a fresh virtual environment holding only the built wheel, from a
-folder outside the repository, so nothing can be imported from the source tree.
+folder outside the repository, so nothing can be imported from the source tree: the packaged
+config is named, not a path (`dynamics run teacher_student`), then `dynamics report` reads what it
+wrote, and a BoringModel recorded from Python goes through `dynamics info` and `report`.
 """
 
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +17,24 @@ from pytorch_lightning.demos.boring_classes import BoringModel
 import dynamics
 from dynamics.callbacks import DynamicsRecorder
 
+DISTRIBUTION = "dynamics-for-pytorch"
+
 assert "site-packages" in dynamics.__file__, f"dynamics imported from {dynamics.__file__}"
+assert importlib.metadata.version(DISTRIBUTION) == dynamics.__version__, "distribution version"
+assert importlib.metadata.packages_distributions()["dynamics"] == [DISTRIBUTION]
+console = Path(sys.executable).with_name("dynamics")
+
+
+def command(*arguments: object) -> None:
+    subprocess.run([console, *map(str, arguments)], check=True)
+
+
+command("run", "teacher_student", "--steps", 200, "--out", "experiment", "--no-progress")
+students = sorted(Path("experiment").glob("*.h5"))
+assert [path.name for path in students] == ["shifted.h5", "unshifted.h5"], students
+command("report", "experiment", "-o", "experiment.html")
+assert Path("experiment.html").stat().st_size > 0
+
 run_file = Path("smoke.h5")
 trainer = pl.Trainer(
     max_steps=4,
@@ -25,7 +45,9 @@ trainer = pl.Trainer(
     enable_model_summary=False,
 )
 trainer.fit(BoringModel())
-console = Path(sys.executable).with_name("dynamics")
-for command in (["info", run_file], ["report", run_file, "-o", "smoke.html"]):
-    subprocess.run([console, *map(str, command)], check=True)
-print(f"wheel smoke test passed: {len(dynamics.open_run(run_file).groups)} series groups")
+command("info", run_file)
+command("report", run_file, "-o", "smoke.html")
+print(
+    f"wheel smoke test passed: {DISTRIBUTION} {dynamics.__version__}; teacher_student "
+    f"{[path.name for path in students]}; {len(dynamics.open_run(run_file).groups)} series groups"
+)

@@ -113,7 +113,7 @@ def ours(problem: Problem, k: int, tol: float, seed: int):
 
 def power(problem: Problem, k: int, tol: float, seed: int):
     pairs = top_eigenvalues(
-        problem.loss, problem.params, k=k, tol=tol, backend="power", max_hvp=20_000, seed=seed
+        problem.loss, problem.params, k=k, tol=tol, solver="power", max_hvp=20_000, seed=seed
     )
     return pairs.eigenvalues, pairs.n_hvp
 
@@ -121,7 +121,7 @@ def power(problem: Problem, k: int, tol: float, seed: int):
 def pyhessian(problem: Problem, k: int, tol: float, seed: int):
     torch.manual_seed(seed)  # PyHessian draws its start vectors from the global RNG
     pairs = top_eigenvalues(
-        problem.loss, problem.params, k=k, tol=tol, backend="pyhessian", max_hvp=1000 * k
+        problem.loss, problem.params, k=k, tol=tol, solver="pyhessian", max_hvp=1000 * k
     )
     return pairs.eigenvalues, pairs.n_hvp
 
@@ -329,7 +329,7 @@ def warm_against_cold(problem: Problem, steps: int, every: int) -> None:
 
             params = list(student.parameters())
             cold = top_eigenvalues(loss, params, k=5, tol=1e-4)
-            warm = top_eigenvalues(loss, params, k=5, tol=1e-4, warm_start=previous)
+            warm = top_eigenvalues(loss, params, k=5, tol=1e-4, previous=previous)
             previous = warm.eigenvectors
             worst = max(worst, ((warm.eigenvalues / cold.eigenvalues) - 1).abs().max().item())
             cold_total += cold.n_hvp

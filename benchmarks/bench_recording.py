@@ -17,7 +17,7 @@ sensitive to other processes.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py [--steps 2000 --reps 7]
         [--workload teacher-student|char-gpt|both] [--unit-health] [--hessian] [--each-probe]
 
-The README's recording figures come from exactly
+The recording figures of docs/benchmarks.md come from exactly
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recording.py \
         --workload teacher-student --reps 7

@@ -4,11 +4,18 @@
 ``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
 """
 
+from dynamics.callbacks.activation_bias import ActivationBias
 from dynamics.callbacks.bias_audit import BiasAudit
 from dynamics.callbacks.bias_component import BiasComponent
 from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.gradient_plane import GradientPlane
+from dynamics.callbacks.hessian_density import HessianDensity
+from dynamics.callbacks.hessian_eigenspace_overlap import EigenspaceOverlap
+from dynamics.callbacks.hessian_gradient_share import GradientShare
+from dynamics.callbacks.hessian_measurement import HessianMeasurement
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
+from dynamics.callbacks.hessian_trace import HessianTrace
+from dynamics.callbacks.hessian_vectors import EigenvectorSnapshots
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.init_biases import InitBiases
 from dynamics.callbacks.logged_metrics import LoggedMetrics
@@ -19,13 +26,21 @@ from dynamics.callbacks.recorder import DynamicsRecorder
 from dynamics.callbacks.shift_activations import ShiftActivations
 from dynamics.callbacks.training_loss import TrainingLoss
 from dynamics.callbacks.trajectory_geometry import TrajectoryGeometry
+from dynamics.callbacks.unit_health import UnitHealth
 
 __all__ = [
+    "ActivationBias",
     "BiasAudit",
     "BiasComponent",
     "DynamicsRecorder",
+    "EigenspaceOverlap",
+    "EigenvectorSnapshots",
     "GradientPlane",
+    "GradientShare",
+    "HessianDensity",
+    "HessianMeasurement",
     "HessianSpectrum",
+    "HessianTrace",
     "HiddenStateNorms",
     "InitBiases",
     "LoggedMetrics",
@@ -37,5 +52,6 @@ __all__ = [
     "ShiftActivations",
     "TrainingLoss",
     "TrajectoryGeometry",
+    "UnitHealth",
     "check_probe",
 ]

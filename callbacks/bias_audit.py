@@ -29,6 +29,10 @@ class BiasAudit(Probe):
     module is audited uncompiled (its parameters are the same); an audit that fails all the
     same steps aside with the error's first line.
 
+    Example::
+
+        DynamicsRecorder("run.h5", probes=[BiasAudit(draws=5)])
+
     Args:
         draws: random weight draws of the origin check.
         seed: seed of the origin check's generator.

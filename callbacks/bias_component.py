@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dynamics.callbacks.hidden_state_norms import kind_dim
+from dynamics.callbacks.output_axes import kind_dim
 from dynamics.callbacks.probe import (
     Probe,
     ProbeUnavailable,
@@ -93,66 +93,11 @@ class BiasComponent(Probe):
     """Decodes of each chosen layer's activation-bias component and remainder, compared with the
     full output and with the target.
 
-    At each due step, before the step's forward (the row describes θ_step), on a fixed probe
-    batch and inside :func:`~dynamics.passes.isolation.side_effect_free` with gradients off, it runs
-    the module's loss (:mod:`dynamics.passes.loss_rule`) once unchanged (the *full* decode) and, per
-    layer, twice more with that layer's output replaced through a forward hook by
+    What it records, cost, when it steps aside and pitfalls: ``docs/probes/bias_component.md``.
 
-    - the **bias** part: the mean of h across its feature axis, broadcast back along it
-      (h̄·1, the projection of h onto the all-ones direction of the features);
-    - the **remainder**: h − h̄·1.
+    Example::
 
-    **Features.** For an (N, C, H, W) convolution map the features are the C channels at each
-    position: the bias part is a per-sample, per-position map (the mean over channels) — the
-    hidden state at a position is the vector the next convolution mixes, as a token's is in a
-    transformer, and its mean over channels is what an activation's shift changes and what
-    adaptive shifting (the paper's Eq. 9) removes. A mean over C×H×W would leave one number per
-    image, which could not carry the image structure Fig. 5 shows. Tokens (N, T, D): the D
-    features of each token. The axis, per layer, first rule that applies: ``feature_dims``
-    (pattern → axis); ``feature_dim``; the layer's class or its last known descendant (axis 1
-    for convolutions and batch/group/instance norms, the last axis for Linear, LayerNorm,
-    Embedding, attention, RNNs); for a module of no known kind (an activation, ``nn.Identity``)
-    the nearest known module registered before it, whose output it takes. The axis and its rule
-    are stored in the run file.
-
-    **Output and target** are what the module's loss function is called with (its first and
-    second arguments), found by watching the loss pass for calls of the functions in
-    ``SAME_SPACE_LOSSES`` and ``OTHER_LOSSES`` (functional or as ``nn`` loss modules). A loss
-    that calls none of them (written by hand) or several leaves the output unknown: the probe
-    steps aside at setup and says so.
-
-    **Recorded** (group ``bias_component``; one column per layer, ``<part>`` ∈ bias, remainder):
-
-    - ``<part>_cos_full``, ``<part>_relerr_full``: the decode against the full output — cosine
-      per example (row of the output's first axis), averaged over the batch (with one value
-      per example, an (N,) or (N, 1) output, over the batch as one vector: a per-example
-      cosine would be only the sign agreement); and
-      ‖decode − full‖ / ‖full‖ over the whole batch;
-    - ``<part>_loss`` and ``full_loss``: the loss function's value on each decode: how well it
-      predicts the target, in the loss's own terms;
-    - for the regression losses of ``SAME_SPACE_LOSSES`` only, ``<part>_cos_target``,
-      ``<part>_relerr_target``, ``full_cos_target``, ``full_relerr_target``, defined alike, and
-      ``<part>_corr_target``, ``full_corr_target``: the cosine of the values minus each
-      example's mean (Pearson's correlation per example, averaged) — for images of
-      non-negative pixels any bright blob has a high cosine to every image, the correlation
-      asks whether the decode has the image's structure.
-      For classification (logits against class indices) they would compare unlike things and
-      are not recorded; the decode's loss is the comparison with the target. Logits are compared
-      with the full logits as they are: a constant added to a row of logits changes the cosine
-      although not the prediction;
-    - ``bias_share``: ‖h̄·1‖² / ‖h‖² over the batch, the share of the hidden state's energy in
-      its bias component.
-
-    **Images.** When the output is shaped like images, (N, C, H, W) with C ∈ {1, 3}, and the
-    loss compares it with a target of the same shape, the probe stores the decodes of the first
-    ``examples`` probe-batch examples (group ``bias_component_images``, series ``decodes`` of
-    shape (layers, 3 decodes: full, bias, remainder, examples, C, H, W)) at up to
-    ``image_rows`` due steps spaced geometrically over the run (0, then early steps densely:
-    the transient the paper describes is early), within ``image_budget_mb``; the target images
-    are the vector ``bias_component_target``. The report draws them at early, middle and late
-    steps.
-
-    Cost per due step: 1 + 2 × layers forwards of the probe batch.
+        DynamicsRecorder("run.h5", probes=[BiasComponent(layers=["encoder.*"], every_n_steps=100)])
 
     Args:
         layers: module-name patterns (as ``named_modules()``; ``*`` one segment, ``**`` any

@@ -49,6 +49,11 @@ def check_probe(probe: Probe, module: nn.Module, batch: Any, steps: int = 3) -> 
       ``torch.load(weights_only=True)``, which refuses anything else), and a fresh probe that
       loads it, saved and loaded so, returns the same state.
 
+    Example::
+
+        series = check_probe(MyProbe(), MyModule(), next(iter(loader)), steps=3)
+        series["my_group"].values
+
     Args:
         probe: the probe to check (not modified).
         module: a LightningModule of either namespace (not modified).

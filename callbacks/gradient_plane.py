@@ -33,43 +33,11 @@ from dynamics.store import RunFileError, names, open_run
 class GradientPlane(Probe):
     """Stores g0 and the probe batch; records (a, b, r) of θt − θ0 on a known plane.
 
-    g0 is the gradient of the training loss (by the loss rule of :mod:`dynamics.passes.loss_rule`)
-    at
-    θ0 on a fixed probe batch — the first training batch unless one is given — with the module in
-    ``mode``, computed without touching ``.grad``, the RNG, BatchNorm buffers or train/eval flags;
-    under DDP it is the average over ranks. g0 and the probe batch are stored (vectors ``g0`` and
-    ``probe_batch.<i>``, with the batch's structure in the settings, see
-    :mod:`dynamics.params.batch_tree`), so any two runs that share θ0 can later be compared on the
-    plane of
-    their initial gradients; the probe's settings in the file's ``probes`` attribute state the
-    mode and where the loss came from. The default ``mode="eval"`` (dropout off, BatchNorm on its
-    running statistics) is the mode the plane's loss landscapes are drawn in.
+    What it records, cost, when it steps aside and pitfalls: ``docs/probes/gradient_plane.md``.
 
-    When g0 cannot be measured the probe raises at setup rather than store a wrong vector, and
-    the recorder disables it and records why: :class:`~dynamics.callbacks.ProbeUnavailable` for a
-    manually optimized module without ``dynamics_loss`` (its training step would step the
-    optimizer), :class:`FloatingPointError` for a NaN or infinite g0.
+    Example::
 
-    When the plane is known during the run, every ``every_n_steps`` the coordinates a, b of
-    θt − θ0 on its orthonormal basis (u, v) and the norm r of the residual orthogonal to it are
-    recorded (a² + b² + r² = ‖θt − θ0‖²). The plane is either given (``basis``) or built from a
-    partner run file that shares θ0: u = g_partner/‖g_partner‖, v = this run's g0
-    Gram–Schmidt-ed against u. A partner whose g0 is collinear with ours (runs that differ only
-    in the learning rate or the optimizer) spans no plane: the coordinates (and ``at_end``'s
-    views) step aside with a warning event, and g0 and the probe batch are stored as ever.
-
-    With ``at_end=True`` (and a plane known during the run) the probe also evaluates, in the
-    training process at the end of fit, what ``dynamics plane`` would otherwise rebuild the model
-    for — for a model that cannot be imported offline: the loss heatmap on the plane (a
-    ``grid``×``grid`` grid covering this run's and the partner's trajectories), the Gram–Schmidt
-    out-of-plane view, and the trajectory on each with the loss at each checkpoint and at its
-    projection. Losses are taken on the probe batch in ``mode``, on a copy of the module with its
-    buffers at the end of fit, inside :func:`~dynamics.passes.isolation.side_effect_free`, so
-    training is
-    not perturbed. The checkpoints are θt at due steps of the plane series, thinned to at most
-    ``checkpoints`` (every other one dropped when full), then θT; they are held on the CPU
-    (``checkpoints`` parameter vectors). The views are stored as ``plane_end.*`` vectors, which
-    ``dynamics plane`` draws when the plane it is asked for is this one.
+        GradientPlane(partner="runs/lr0.1.h5", every_n_steps=10, at_end=True)
 
     Args:
         partner: a finished run file of the same θ0 whose ``g0`` spans the plane with ours.

@@ -1,9 +1,10 @@
-"""Top Hessian eigenvalues (and optionally trace, gradient share, density) during training."""
+"""Top Hessian eigenvalues during training, with extra measurements on the same operator."""
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
@@ -11,133 +12,71 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics import world
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, expected_steps
+from dynamics.callbacks.hessian_density import HessianDensity
+from dynamics.callbacks.hessian_eigenspace_overlap import EigenspaceOverlap
+from dynamics.callbacks.hessian_gradient_share import GradientShare
+from dynamics.callbacks.hessian_measurement import HessianMeasurement, SpectrumRow
+from dynamics.callbacks.hessian_trace import HessianTrace
+from dynamics.callbacks.hessian_vectors import EigenvectorSnapshots
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
 from dynamics.curvature import (
     Eigenpairs,
     HessianOperator,
+    HessianProblem,
+    Solver,
     eigenvalue_error_bounds,
-    hutch_plus_plus,
-    lanczos,
-    spectral_density,
-    track_eigenpairs,
+    solver,
 )
-from dynamics.geometry.subspace_overlap import subspace_overlap, update_share
-from dynamics.params.vectors import flatten
+from dynamics.curvature.subspace_tracking import GUARDS
+from dynamics.errors import ParameterError
 from dynamics.passes.isolation import Mode, side_effect_free
 from dynamics.passes.loss_rule import loss_at
 from dynamics.store import View, names
 from dynamics.store.views import standard_view
 
-# Eigenvectors beyond the top k that the tracking solver carries along: without them the k-th
-# pair of a cluster converges at the rate of its gap to the (k+1)-th eigenvalue, which on the
-# teacher–student model left most records to the cold restart.
-GUARDS = 2
-
-# Series that may hold NaN by design: no previous record on a fit's first row, no known gap
-# below the last pair (or an unresolved one) for an error bound.
-MAY_BE_NAN = (names.HESSIAN_OVERLAP, names.HESSIAN_UPDATE_SHARE, names.HESSIAN_ERROR_BOUNDS)
+# Series that may hold NaN by design: no known gap below the last pair (or an unresolved one)
+# for an error bound. Measurements name their own (HessianMeasurement.may_be_nan).
+MAY_BE_NAN = (names.HESSIAN_ERROR_BOUNDS,)
 
 
 class HessianSpectrum(Probe):
-    """The top-k Hessian eigenvalues of the training loss on a fixed probe batch.
+    """The top-k Hessian eigenvalues of the training loss on a fixed probe batch (group
+    ``hessian``), and any ``measurements`` on the same operator (trace, density, gradient share,
+    eigenspace overlap, stored eigenvectors).
 
-    At every due step the loss of the module on the probe batch — by the loss rule of
-    :mod:`dynamics.passes.loss_rule`, so any LightningModule works unchanged — is differentiated
-    twice
-    and its top-k eigenvalues found by thick-restart Lanczos (:func:`dynamics.curvature.lanczos`),
-    started from the previous recorded step's eigenvectors. All of it runs inside
-    :func:`~dynamics.passes.isolation.side_effect_free` with the module in ``mode``, autocast off
-    and
-    the parameters in float32 (float64 if the model is float64), whatever the training
-    precision; the vector ``hessian_float_bits`` in the run file states which, and the probe's
-    settings in the file's ``probes`` attribute state the mode and where the loss came from.
-    Attention runs on the math backend of ``F.scaled_dot_product_attention``, the only one that
-    can be differentiated twice (:func:`~dynamics.curvature.operator.twice_differentiable`).
+    The loss comes from the module's own loss rule, measured with the module in ``mode``,
+    autocast off and the parameters in float32 (float64 for a float64 model), inside
+    :func:`~dynamics.passes.isolation.side_effect_free`; under DDP every product is averaged across
+    ranks. What each series means, the solvers' accuracy, cost and pitfalls:
+    ``docs/probes/hessian_spectrum.md``.
 
-    In the default ``mode="eval"`` dropout is off and BatchNorm uses its running statistics, so
-    the spectrum is a deterministic function of θ; ``mode="train"`` measures the loss as the
-    training step sees it (one dropout mask and one set of batch statistics per row).
+    Example::
 
-    ``solver="tracking"`` refines the previous row's eigenvectors instead
-    (:func:`dynamics.curvature.track_eigenpairs`: block Rayleigh–Ritz with residual expansion,
-    a cold Lanczos when the subspace was lost); its residual test is the same ``‖H v − λ v‖ ≤
-    tol·|λ|``, so each row's ``residuals`` bound the error as for Lanczos. With a loose ``tol``
-    (``1e-2``) it is the cheap mode for long runs: the eigenvalue error of a Ritz value is of
-    order ``‖r‖²/gap``, far below ``‖r‖`` — within 1e-3 of a tight cold Lanczos at every record
-    of ``benchmarks/bench_hessian.py`` — but only ``‖r‖`` itself is guaranteed, and pairs are
-    certified as eigenpairs, not as the top k (a new sharp direction orthogonal to the tracked
-    ones would be missed until a cold restart). The default stays ``"lanczos"``, which
-    finds the top k from a random component too.
-
-    Under DDP every rank differentiates the loss on its own probe batch and every product is
-    averaged across ranks: the eigenvalues are those of the data-parallel Hessian, identical on
-    all ranks (only rank zero writes).
-
-    When the probe cannot measure, it raises rather than record a wrong number, and the
-    recorder disables it and records why: :class:`~dynamics.callbacks.ProbeUnavailable` at
-    setup for a manually optimized module without ``dynamics_loss`` (its training step would
-    step the optimizer), and :class:`FloatingPointError` from a due step whose loss, products
-    or results are NaN or infinite (a row of NaN would read as data).
-
-    Series (group ``hessian``), one row per due step:
-
-    - ``eigenvalues``, ``residuals`` (k): largest first, and ``‖H v − λ v‖`` of each;
-    - ``error_bounds`` (k): ``‖r‖²/δ``, the Kato–Temple bound on each eigenvalue's error, with
-      ``δ`` its gap to the other pairs' values less their residuals
-      (:func:`dynamics.curvature.eigenvalue_error_bounds`: it holds when the pairs are the top
-      ones, each within its residual of its eigenvalue); NaN where no gap is known — the k-th
-      with the Lanczos solver (no pair below it), or a gap the residuals do not resolve;
-    - ``converged``: 1 when every residual met ``tol`` within ``max_hvp`` products;
-    - ``n_hvp``: Hessian-vector products the row cost (eigenvalues, trace and density);
-    - ``loss``: the probe-batch loss;
-    - ``trace``, ``trace_stderr`` (with ``trace_hvp``): Hutch++ estimate and its error;
-    - ``gradient_share`` (with ``gradient_share=True``): ``‖P_k g‖² / ‖g‖²`` for the probe-batch
-      gradient ``g`` and the projector ``P_k`` on the top-k eigenvectors;
-    - ``density_nodes``, ``density_weights`` (runs, steps) (with ``density_runs``): the
-      stochastic Lanczos quadrature; :func:`dynamics.curvature.broadened_density` turns it into
-      a density on any grid;
-    - ``overlap_previous`` and ``update_share`` (with ``eigenspace_overlap=True``): how fast the
-      sharp directions rotate, ``‖V_sᵀ V_t‖²_F / k`` for the top-k eigenvectors ``V_s`` of the
-      previous row (step ``s``) and ``V_t`` of this one, and how much of the update between the
-      two rows moved along them, ``‖V_s (θt − θs)‖² / ‖θt − θs‖²``; NaN on a fit's first row
-      (no previous record). Costs one more parameter vector of memory. When λ_k equals
-      λ_{k+1} (a repeated eigenvalue, e.g. a linear layer with several outputs under MSE) the
-      top-k eigenspace is not one subspace and its overlap means nothing.
-
-    Group ``hessian_vectors`` (with ``vector_budget_mb``): the top-k eigenvectors ``vectors``
-    ``(k, n)`` in float32 (the order of the trainable parameters), at records thinned evenly
-    so that the fit's expected total stays within the budget, as parameter snapshots are; the
-    first record is always among them. ``dynamics compare`` draws the overlap of two runs'
-    eigenspaces at the steps both stored (:mod:`dynamics.analysis.eigenspace_overlap`).
+        probe = HessianSpectrum(k=5, every_n_steps=50, measurements=[HessianTrace(hvp=60)])
+        DynamicsRecorder("run.h5", probes=[probe])
 
     Args:
         k: how many eigenvalues.
         every_n_steps: recording period in optimizer steps.
         tol: relative residual tolerance of each eigenpair.
         max_hvp: product budget of the eigensolver per row.
-        trace_hvp: products spent on the Hutch++ trace per row (0: no trace).
-        gradient_share: record the share of the gradient in the top-k eigenspace.
-        density_runs: stochastic Lanczos quadrature runs per row (0: no density).
-        density_steps: Lanczos steps per quadrature run.
         batch: the probe batch; default: a copy of the fit's first training batch.
-        warm_start: start each row's Lanczos from the previous row's eigenvectors (kept in
+        warm_start: pass each row's solver the previous row's eigenvectors (kept in
             checkpoints, so a resumed fit's rows equal an uninterrupted one's).
         seed: seed of the random start vectors (the global RNG is never used).
         mode: ``"eval"`` or ``"train"``, the :data:`~dynamics.passes.isolation.Mode` of the module
             while its Hessian is measured.
-        eigenspace_overlap: record ``overlap_previous`` and ``update_share``.
-        vector_budget_mb: bytes (MiB) for stored eigenvectors over the fit; 0 stores none.
-        solver: ``"lanczos"`` (thick-restart Lanczos, warm-started when ``warm_start``) or
-            ``"tracking"`` (refine the previous row's eigenvectors; the first row, and any row
-            whose subspace was lost, is a cold Lanczos).
-        max_basis: with ``solver="tracking"``, basis vectors before the cold restart
-            (default ``5·(k + 2)``: the k pairs and two guards, as in
-            :func:`~dynamics.curvature.track_eigenpairs`).
-        cold_every: with ``solver="tracking"``, a cold Lanczos (random start) at every
-            ``cold_every``-th record (steps that are multiples of ``cold_every·every_n_steps``),
-            the safeguard against a new sharp direction orthogonal to the tracked ones, which
-            no residual test can see; 0: only the first record and lost subspaces are cold.
+        solver: a name of :data:`~dynamics.curvature.solvers.SOLVERS` that reports residuals:
+            ``"lanczos"`` (default), ``"tracking"`` or ``"power"``.
+        max_basis: the most basis vectors the solver holds (tracking: before its cold restart;
+            at least ``k + 2``); None: the solver's default.
+        cold_every: every ``cold_every``-th record (steps that are multiples of
+            ``cold_every·every_n_steps``) starts without the previous eigenvectors; 0: never.
+        measurements: the extras, each a :class:`HessianMeasurement`.
+        **shorthands: the old spellings, accepted for this release with a warning:
+            ``trace_hvp``, ``gradient_share``, ``density_runs``, ``density_steps``,
+            ``eigenspace_overlap``, ``vector_budget_mb`` (each the measurement of that name).
     """
 
     name = names.HESSIAN
@@ -149,55 +88,49 @@ class HessianSpectrum(Probe):
         tol: float = 1e-4,
         *,
         max_hvp: int = 500,
-        trace_hvp: int = 0,
-        gradient_share: bool = False,
-        density_runs: int = 0,
-        density_steps: int = 40,
         batch: Any = None,
         warm_start: bool = True,
         seed: int = 0,
         mode: Mode = "eval",
-        solver: Literal["lanczos", "tracking"] = "lanczos",
+        solver: str = "lanczos",
         max_basis: int | None = None,
         cold_every: int = 0,
-        eigenspace_overlap: bool = False,
-        vector_budget_mb: float = 0.0,
+        measurements: Sequence[HessianMeasurement] = (),
+        **shorthands: Any,
     ) -> None:
         super().__init__(every_n_steps)
-        if solver not in ("lanczos", "tracking"):
-            raise ValueError(f"solver must be 'lanczos' or 'tracking', got {solver!r}")
+        self._solver = _certified_solver(solver)
         if max_basis is not None and max_basis < k + GUARDS:
             raise ValueError(f"max_basis must be at least k + {GUARDS}, got {max_basis}")
         if cold_every < 0:
             raise ValueError(f"cold_every must be >= 0, got {cold_every}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        if trace_hvp and trace_hvp < 4:
-            raise ValueError(f"trace_hvp must be 0 or at least 4, got {trace_hvp}")
-        if density_runs < 0 or density_steps < 1:
-            raise ValueError("density_runs must be >= 0 and density_steps >= 1")
         self.k = k
         self.tol = tol
         self.max_hvp = max_hvp
-        self.trace_hvp = trace_hvp
-        self.gradient_share = gradient_share
-        self.density_runs = density_runs
-        self.density_steps = density_steps
         self.warm_start = warm_start
         self.seed = seed
         self.solver = solver
         self.max_basis = max_basis
         self.cold_every = cold_every
-        self.eigenspace_overlap = eigenspace_overlap
-        self.vector_budget_mb = vector_budget_mb
-        self.vector_period = 0  # steps between stored eigenvectors; 0: none
-        self._size = 0  # trainable parameters, known at setup
-        self._theta: torch.Tensor | None = None  # θ at the previous row (eigenspace_overlap)
+        self.measurements = [*_from_shorthands(shorthands), *measurements]
+        kinds = [type(m) for m in self.measurements]
+        for measurement in self.measurements:
+            if not isinstance(measurement, HessianMeasurement):
+                raise ParameterError(
+                    "measurements", f"must hold HessianMeasurement objects, got {measurement!r}"
+                )
+            if kinds.count(type(measurement)) > 1:  # their series (and state) would collide
+                raise ParameterError(
+                    "measurements", f"hold {type(measurement).__name__} more than once"
+                )
+        self.size = 0  # trainable parameters, known at setup
         self._loss = ProbeLoss("HessianSpectrum", mode, batch)
         self._names: list[str] = []  # the trainable parameters, found at setup
         self.dtype: torch.dtype | None = None  # of the measurement, decided at setup
-        self._ritz: torch.Tensor | None = None
-        self._row: dict[str, Any] | None = None
+        self._ritz: torch.Tensor | None = None  # the previous row's vectors (and guards)
+        self._rows: Rows = {}  # measured before the step's forward, returned after it
 
     @property
     def mode(self) -> Mode:
@@ -210,27 +143,15 @@ class HessianSpectrum(Probe):
             raise ValueError("HessianSpectrum found no trainable parameter")
         dtypes = {p.dtype for p in pl_module.parameters() if p.requires_grad}
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
-        self._size = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        self.vector_period, reason = self._vector_plan(expected_steps(trainer, pl_module))
-        if reason:
-            self.note(getattr(trainer, "global_step", 0), f"{reason}: no eigenvectors stored")
+        self.size = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        for measurement in self.measurements:
+            measurement.setup(self, trainer, pl_module)
 
-    def _vector_plan(self, steps: float) -> tuple[int, str]:
-        """Steps between stored eigenvectors (0: none) and, when none fit, why."""
-        if self.vector_budget_mb <= 0:
-            return 0, ""
-        each = 4 * self.k * self._size
-        capacity = int(self.vector_budget_mb * 2**20 // each)
-        if capacity < 2:
-            return 0, (
-                f"vector_budget_mb={self.vector_budget_mb:g} holds fewer than 2 records of "
-                f"{self.k} eigenvectors of {self._size:,} parameters ({each / 2**20:.1f} MiB each)"
-            )
-        if not 0 < steps < math.inf:  # Lightning answers -1 for an unknown length
-            return 0, "the run's length is unknown, so stored eigenvectors cannot be spread over it"
-        records = (int(steps) - 1) // self.every_n_steps + 1
-        # capacity - 1 intervals between capacity records, the first at step 0.
-        return self.every_n_steps * max(1, math.ceil((records - 1) / (capacity - 1))), ""
+    @property
+    def vector_period(self) -> int:
+        """Steps between stored eigenvectors (0: none stored)."""
+        snapshots = [m for m in self.measurements if isinstance(m, EigenvectorSnapshots)]
+        return snapshots[0].period if snapshots else 0
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         columns = tuple(f"lambda_{i + 1}" for i in range(self.k))
@@ -239,37 +160,19 @@ class HessianSpectrum(Probe):
             return standard_view(names.HESSIAN, series)
 
         eigenvalues, residuals = view(names.HESSIAN_EIGENVALUES), view(names.HESSIAN_RESIDUALS)
-        specs = {
-            names.HESSIAN_EIGENVALUES: SeriesSpec((self.k,), columns=columns, view=eigenvalues),
-            names.HESSIAN_RESIDUALS: SeriesSpec((self.k,), columns=columns, view=residuals),
-            names.HESSIAN_ERROR_BOUNDS: SeriesSpec((self.k,), columns=columns),
-            names.HESSIAN_CONVERGED: SeriesSpec(dtype="int8"),
-            names.HESSIAN_N_HVP: SeriesSpec(dtype="int32", view=view(names.HESSIAN_N_HVP)),
-            names.HESSIAN_LOSS: SeriesSpec(view=view(names.HESSIAN_LOSS)),
+        groups: dict[str, dict[str, SeriesSpec]] = {
+            self.name: {
+                names.HESSIAN_EIGENVALUES: SeriesSpec((self.k,), columns=columns, view=eigenvalues),
+                names.HESSIAN_RESIDUALS: SeriesSpec((self.k,), columns=columns, view=residuals),
+                names.HESSIAN_ERROR_BOUNDS: SeriesSpec((self.k,), columns=columns),
+                names.HESSIAN_CONVERGED: SeriesSpec(dtype="int8"),
+                names.HESSIAN_N_HVP: SeriesSpec(dtype="int32", view=view(names.HESSIAN_N_HVP)),
+                names.HESSIAN_LOSS: SeriesSpec(view=view(names.HESSIAN_LOSS)),
+            }
         }
-        if self.trace_hvp:
-            specs |= {
-                names.HESSIAN_TRACE: SeriesSpec(view=view(names.HESSIAN_TRACE)),
-                names.HESSIAN_TRACE_STDERR: SeriesSpec(),
-            }
-        if self.gradient_share:
-            share = view(names.HESSIAN_GRADIENT_SHARE)
-            specs[names.HESSIAN_GRADIENT_SHARE] = SeriesSpec(view=share)
-        if self.density_runs:
-            shape = (self.density_runs, self.density_steps)
-            specs |= {
-                names.HESSIAN_DENSITY_NODES: SeriesSpec(shape),
-                names.HESSIAN_DENSITY_WEIGHTS: SeriesSpec(shape),
-            }
-        if self.eigenspace_overlap:
-            specs |= {
-                name: SeriesSpec(view=view(name))
-                for name in (names.HESSIAN_OVERLAP, names.HESSIAN_UPDATE_SHARE)
-            }
-        groups = {self.name: specs}
-        if self.vector_period:
-            ritz = SeriesSpec((self.k, self._size), "float32")
-            groups[names.HESSIAN_VECTORS] = {names.HESSIAN_VECTORS_RITZ: ritz}
+        for measurement in self.measurements:
+            for group, specs in measurement.series(self.k, self.size).items():
+                groups.setdefault(group, {}).update(specs)
         return groups
 
     def vectors(self) -> dict[str, SeriesSpec]:
@@ -290,7 +193,9 @@ class HessianSpectrum(Probe):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
     ) -> None:
         # Measured here, before the step's forward, so the row describes θ_step (the contract).
-        self._row = self.measure(pl_module, step)
+        self._rows = {}
+        row = self.measure(pl_module, step)  # the measurements' own groups land in self._rows
+        self._rows = {self.name: row, **self._rows}
 
     def on_step_end(
         self,
@@ -300,17 +205,12 @@ class HessianSpectrum(Probe):
         outputs: Any,
         step: int,
     ) -> Rows:
-        row, self._row = self._row, None
-        if row is None:
-            return {}
-        rows: Rows = {self.name: row}
-        if self.vector_period and step % self.vector_period == 0:
-            ritz = self._ritz[: self.k].float()
-            rows[names.HESSIAN_VECTORS] = {names.HESSIAN_VECTORS_RITZ: ritz}
+        rows, self._rows = self._rows, {}
         return rows
 
     def measure(self, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
-        """One row for the module's current parameters.
+        """The ``hessian`` row for the module's current parameters (rows of the measurements'
+        own groups wait for :meth:`on_step_end`).
 
         Raises:
             FloatingPointError: if the loss, a product or a value of the row is NaN or infinite.
@@ -332,97 +232,142 @@ class HessianSpectrum(Probe):
             torch.autocast(pl_module.device.type, enabled=False),
             uncompiled(),  # a compiled graph supports no double backward
         ):
+            loss_fn = lambda: loss_at(pl_module, tensors, batch)  # noqa: E731
             operator = HessianOperator(
-                lambda: loss_at(pl_module, tensors, batch),
-                list(leaves.values()),
-                average_across_ranks=averaged,
+                loss_fn, list(leaves.values()), average_across_ranks=averaged
             )
-            row = self._row_of(operator, step)
+            problem = HessianProblem(
+                loss_fn, operator.params, average_across_ranks=averaged, operator=operator
+            )
+            rows = self._rows_of(problem, step)
+        row = rows.pop(self.name)
+        may_be_nan = MAY_BE_NAN + tuple(n for m in self.measurements for n in m.may_be_nan)
         not_finite = [
             name
             for name, value in row.items()
-            if name not in MAY_BE_NAN and not np.isfinite(value).all()
+            if name not in may_be_nan and not np.isfinite(value).all()
         ]
         if not_finite:
             raise FloatingPointError(
                 f"HessianSpectrum at step {step}: {', '.join(not_finite)} not finite"
             )
+        self._rows.update(rows)
         return row
 
-    def _row_of(self, operator: HessianOperator, step: int) -> dict[str, Any]:
+    def _rows_of(self, problem: HessianProblem, step: int) -> dict[str, dict[str, Any]]:
+        operator = problem.operator
         previous = None if self._ritz is None else self._ritz[: self.k]
-        pairs = self._eigenpairs(operator, step)
+        pairs = self._eigenpairs(problem, step)
         self._ritz = pairs.eigenvectors
-        vectors = pairs.eigenvectors[: self.k]
         # From all the pairs the solver returns: a tracking solve's guards give the k-th a gap.
         bounds = eigenvalue_error_bounds(pairs.eigenvalues, pairs.residuals)
-        row: dict[str, Any] = {
-            names.HESSIAN_LOSS: operator.loss,
-            names.HESSIAN_EIGENVALUES: pairs.eigenvalues[: self.k].float().numpy(),
-            names.HESSIAN_RESIDUALS: pairs.residuals[: self.k].float().numpy(),
-            names.HESSIAN_ERROR_BOUNDS: bounds[: self.k].float().numpy(),
-            names.HESSIAN_CONVERGED: np.int8(pairs.converged),
+        rows: dict[str, dict[str, Any]] = {
+            self.name: {
+                names.HESSIAN_LOSS: operator.loss,
+                names.HESSIAN_EIGENVALUES: pairs.eigenvalues[: self.k].float().numpy(),
+                names.HESSIAN_RESIDUALS: pairs.residuals[: self.k].float().numpy(),
+                names.HESSIAN_ERROR_BOUNDS: bounds[: self.k].float().numpy(),
+                names.HESSIAN_CONVERGED: np.int8(pairs.converged),
+            }
         }
-        if self.gradient_share:
-            gradient = operator.gradient
-            inside = torch.linalg.vector_norm(vectors @ gradient) ** 2
-            row[names.HESSIAN_GRADIENT_SHARE] = (
-                inside / torch.linalg.vector_norm(gradient) ** 2
-            ).item()
-        if self.eigenspace_overlap:
-            theta = flatten(operator.params).detach()
-            first = previous is None or self._theta is None
-            row[names.HESSIAN_OVERLAP] = math.nan if first else subspace_overlap(vectors, previous)
-            row[names.HESSIAN_UPDATE_SHARE] = (
-                math.nan if first else update_share(theta - self._theta, previous)
-            )
-            self._theta = theta
-        if self.trace_hvp:
-            trace = hutch_plus_plus(operator, self.trace_hvp, seed=self.seed)
-            row[names.HESSIAN_TRACE], row[names.HESSIAN_TRACE_STDERR] = trace.trace, trace.stderr
-        if self.density_runs:
-            density = spectral_density(
-                operator, self.density_runs, self.density_steps, seed=self.seed
-            )
-            row[names.HESSIAN_DENSITY_NODES] = density.nodes.astype(np.float32)
-            row[names.HESSIAN_DENSITY_WEIGHTS] = density.weights.astype(np.float32)
-        row[names.HESSIAN_N_HVP] = operator.n_hvp
-        return row
+        row = SpectrumRow(operator, pairs.top(self.k), previous, step, self.seed)
+        for measurement in self.measurements:
+            for group, values in measurement.measure(row).items():
+                rows.setdefault(group, {}).update(values)
+        rows[self.name][names.HESSIAN_N_HVP] = operator.n_hvp  # the row's products, all of them
+        return rows
 
-    def _eigenpairs(self, operator: HessianOperator, step: int) -> Eigenpairs:
+    def _eigenpairs(self, problem: HessianProblem, step: int) -> Eigenpairs:
         """The top k pairs (tracking: and the guards, to be tracked at the next row)."""
-        if self.solver == "lanczos":
-            warm = self._ritz if self.warm_start else None
-            return lanczos(
-                operator, self.k, self.tol, max_hvp=self.max_hvp, warm_start=warm, seed=self.seed
-            )
-        width = min(self.k + GUARDS, operator.size)
+        entry = self._solver
         cold_due = self.cold_every and step % (self.cold_every * self.every_n_steps) == 0
-        if self._ritz is None or len(self._ritz) != width or cold_due:
-            return lanczos(operator, width, self.tol, max_hvp=self.max_hvp, seed=self.seed)
-        return track_eigenpairs(
-            operator,
-            self._ritz,
+        warm = self.warm_start and entry.uses_previous and not cold_due
+        return entry.solve(
+            problem,
+            self.k,
             self.tol,
-            k=self.k,
-            max_basis=self.max_basis,
             max_hvp=self.max_hvp,
+            previous=self._ritz if warm else None,
+            basis_size=self.max_basis if entry.uses_basis else None,
             seed=self.seed,
         )
 
     def teardown(self) -> None:
         self._ritz = None
-        self._theta = None
-        self._row = None
+        self._rows = {}
+        for measurement in self.measurements:
+            measurement.teardown()
 
     def state_dict(self) -> dict[str, Any]:
-        # The warm-start vectors too: a resumed fit starts its next row's Lanczos where an
-        # uninterrupted one would, so its rows are the same.
+        # The warm-start vectors too: a resumed fit starts its next row's solve where an
+        # uninterrupted one would, so its rows are the same. The measurements' state (θ of the
+        # eigenspace overlap) sits beside it under their own keys, as in files before them.
         ritz = {} if self._ritz is None else {"ritz": self._ritz.cpu()}
-        theta = {} if self._theta is None else {"theta": self._theta.cpu()}
-        return {**self._loss.state_dict(), **ritz, **theta}
+        state = {**self._loss.state_dict(), **ritz}
+        for measurement in self.measurements:
+            state |= measurement.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._loss.load_state_dict(state)
         self._ritz = state.get("ritz")
-        self._theta = state.get("theta")
+        for measurement in self.measurements:
+            measurement.load_state_dict(state)
+
+
+def _certified_solver(name: str) -> Solver:
+    """The solver table's entry ``name``, if its rows can be stored (residuals are a series)."""
+    entry = solver(name)
+    if not entry.certified:
+        raise ParameterError(
+            "solver",
+            f"{name!r} reports no residuals, which every row stores; use it through "
+            "dynamics.curvature.top_eigenvalues",
+        )
+    return entry
+
+
+#: The old keyword spellings of the measurements, in the order their series were declared.
+_SHORTHANDS = (
+    "trace_hvp",
+    "gradient_share",
+    "density_runs",
+    "density_steps",
+    "eigenspace_overlap",
+    "vector_budget_mb",
+)
+
+
+def _from_shorthands(shorthands: dict[str, Any]) -> list[HessianMeasurement]:
+    """The measurements the old keywords ask for (each accepted for this release, with a
+    warning naming the new spelling)."""
+    unknown = sorted(set(shorthands) - set(_SHORTHANDS))
+    if unknown:
+        raise TypeError(f"HessianSpectrum got an unexpected keyword argument {unknown[0]!r}")
+    if not shorthands:
+        return []
+    warnings.warn(
+        f"HessianSpectrum({', '.join(shorthands)}=...) is now measurements=[...] "
+        "(HessianTrace, GradientShare, HessianDensity, EigenspaceOverlap, EigenvectorSnapshots); "
+        "the keywords go in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    made: list[HessianMeasurement] = []
+    try:
+        if shorthands.get("trace_hvp"):
+            made.append(HessianTrace(shorthands["trace_hvp"]))
+        if shorthands.get("gradient_share"):
+            made.append(GradientShare())
+        if shorthands.get("density_runs"):
+            made.append(
+                HessianDensity(shorthands["density_runs"], shorthands.get("density_steps", 40))
+            )
+        if shorthands.get("eigenspace_overlap"):
+            made.append(EigenspaceOverlap())
+        if shorthands.get("vector_budget_mb", 0) > 0:
+            made.append(EigenvectorSnapshots(shorthands["vector_budget_mb"]))
+    except ParameterError as error:
+        old = {"hvp": "trace_hvp", "runs": "density_runs", "steps": "density_steps"}
+        raise ParameterError(old.get(error.parameter, error.parameter), error.problem) from None
+    return made

@@ -33,6 +33,10 @@ class InitBiasesBase:
     patterns among their options, e.g. only the hidden layers' biases::
 
           init_args: {recipe: constant, options: {value: 0.01, exclude: [head]}}
+
+    Example::
+
+        trainer = pl.Trainer(callbacks=[InitBiases("zeros"), DynamicsRecorder("run.h5")])
     """
 
     def __init__(self, recipe: str, options: dict[str, Any] | None = None) -> None:

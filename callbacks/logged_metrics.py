@@ -29,6 +29,10 @@ class LoggedMetrics(Probe):
     ``key/dataloader_idx_<i>``; each such key is then recorded as its own series, so the
     default records the held-out loss of every loader.
 
+    Example::
+
+        LoggedMetrics(keys=["val_loss", "val_acc"])
+
     Args:
         keys: names the module passes to ``self.log`` in its validation step.
         per_loader: with several validation loaders, record each key without a loader suffix

@@ -36,52 +36,11 @@ VIEWS = {
 class LossChangeSplit(Probe):
     """Splits the loss change of one optimizer step into one term per parameter group.
 
-    At every due step, with θ the parameters before the step (copied before its first
-    micro-batch) and θ + Δθ those after its optimizer step — Δθ is whatever the optimizer did:
-    momentum, Adam's scaling, weight decay, every micro-batch of an accumulated step — the
-    change ΔL = L(θ + Δθ) − L(θ) of the loss on a fixed probe batch is split as
-    ΔL = Σ_g ∫₀¹ ∇_g L(θ + tΔθ)·Δθ_g dt by Gauss–Legendre quadrature checked against the
-    measured ΔL (:func:`dynamics.passes.loss_change.split_loss_change`): every row stores the
-    residual
-    Σ terms − ΔL and whether it met ``rtol``. A row that did not (the budget ran out, typically
-    with a kinked activation such as ReLU) is kept with its residual, ``converged = 0`` and a
-    warning event: the terms are then accurate to that residual, no better.
+    What it records, cost, when it steps aside and pitfalls: ``docs/probes/loss_change_split.md``.
 
-    The loss is the module's own, by the loss rule of :mod:`dynamics.passes.loss_rule`, on a fixed
-    probe batch (a copy of the fit's first training batch unless one is given), not on each
-    step's own batch: rows of different steps measure the same function, so a term's sign and
-    size over time reflect the parameters, not the batch drawn. Every evaluation runs in float64
-    (parameters, buffers and the batch's floating tensors upcast, autocast off), since a step
-    changes the loss by a small fraction of it. A model that computes its loss in lower precision
-    all the same (a Hugging Face causal LM casts its logits to float32 under ``.double()``)
-    resolves ΔL only to that precision: the tolerance is then taken from its eps, and a warning
-    event says so, rather than every row missing a float64 tolerance it can never reach. The
-    evaluations run with the buffers (BatchNorm running statistics)
-    as they were before the step: ΔL is the change due to the parameters alone. With the
-    default ``mode="eval"``, the mode of the other curvature probes, dropout is off and
-    BatchNorm uses those running statistics; with ``mode="train"`` BatchNorm normalizes with
-    the probe batch's statistics and every evaluation of a row draws the same dropout masks (each
-    starts from the same RNG state), so the loss is still one function of θ along the segment.
-    The extra passes run inside :func:`~dynamics.passes.isolation.side_effect_free`: ``.grad``, the
-    RNG, buffers and train/eval flags are as training left them, and training is bit-identical
-    with and without the probe. Rows are measured on global rank zero only (on its probe batch).
+    Example::
 
-    A manually optimized module needs ``dynamics_loss`` (its training step steps the optimizer),
-    else the probe steps aside at setup. If such a module steps its optimizers several times in
-    one training batch (several optimizers), Δθ is the change over the whole batch: the row says
-    how many optimizer steps it spans (``optimizer_steps``) and a warning event notes it.
-
-    Series (group ``loss_change``), one row per due step:
-
-    - ``terms`` (groups): the split, one column per group;
-    - ``cumulative_share`` (groups): Σ_t term / Σ_t ΔL over the steps recorded so far — for the
-      bias group, the share of the loss reduction carried by biases;
-    - ``delta``: the measured ΔL; ``loss``: L(θ) before the step;
-    - ``residual``: Σ terms − ΔL; ``relative_residual``: its size over ``|ΔL|``;
-    - ``converged``: 1 when ``|residual|`` met the tolerance (``rtol·|ΔL|``, never tighter than
-      a thousand roundings of the loss in the precision it comes back in);
-    - ``gradient_evaluations``: the row's cost in gradients of the loss;
-    - ``optimizer_steps``: optimizer steps Δθ spans (1 but for the case above).
+        LossChangeSplit(groups="kind", every_n_steps=10)
 
     Args:
         groups: ``"kind"`` — ``bias`` (1-D ``bias``/``bias_*``/``*_bias`` parameters of

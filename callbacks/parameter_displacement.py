@@ -39,31 +39,12 @@ AUTO_MAX_MB = 64.0
 class ParameterDisplacement(Probe):
     """‖θt − θ0‖ in total and per parameter tensor, the update ‖θt+1 − θt‖, and snapshots.
 
-    θ0, every snapshot and θT are stored with the module's persistent buffers at that moment
-    (BatchNorm running statistics and counters, see :class:`~dynamics.params.layout.BufferLayout`),
-    so a model rebuilt offline at any of them is the model training had; the snapshot budget
-    counts their bytes. A snapshot's buffers are those before the step's forward, as its
-    parameters are.
+    What it records, cost, when it steps aside and pitfalls:
+    ``docs/probes/parameter_displacement.md``.
 
-    Snapshots of θt are kept within a budget, thinned evenly over the run: the
-    budget holds some number of snapshots, and the period is the run's estimated optimizer steps
-    (as ``global_step`` counts them: under manual optimization every optimizer's step, assumed
-    once a batch, see :func:`~dynamics.callbacks.probe.expected_steps`) over that number, so the
-    whole trajectory is covered and later analysis can project it onto any plane. θ0 and the
-    final θT are stored as vectors whatever the budget. The default budget is 4 MiB, raised to
-    hold 8 snapshots of a model whose snapshots are larger than 512 KiB, at most 64 MiB: small
-    beside the run's θ0 and θT, and enough points for ``dynamics plane`` to draw the path
-    (``dynamics info`` prints the count). When the budget holds fewer than two
-    snapshots (above 8.4M float32 parameters for 64 MiB), or the run's length is unknown, no
-    snapshots are kept and a warning event says why and what to change: the recorder works on a
-    model of any size. The plan (period, expected count, dtype, bytes)
-    is stored in the run file with the probe's settings.
+    Example::
 
-    ``snapshot_dtype="float16"`` or ``"bfloat16"`` halves each snapshot, at a coarser precision
-    (relative rounding 2⁻¹¹ and 2⁻⁸; bfloat16 keeps float32's range, float16 overflows above
-    65504 and rounds to 2⁻²⁵ absolute below 6·10⁻⁵): enough to draw a trajectory, too coarse
-    for displacements smaller than that rounding of θt. The dtype is recorded in the file, and
-    snapshots read back as float32.
+        ParameterDisplacement(snapshot_budget_mb=64, snapshot_dtype="bfloat16")
 
     Args:
         every_n_steps: period of the norm series.

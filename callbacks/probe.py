@@ -45,11 +45,29 @@ class ProbeUnavailable(ValueError):
 
     Raised from any probe hook; the recorder records the reason in the run file, warns once,
     disables the probe and lets training go on: a missing number, never a wrong one.
+
+    Example::
+
+        def setup(self, trainer, pl_module, batch):
+            if not hasattr(pl_module, "head"):
+                raise ProbeUnavailable("HeadNorms: the module has no head")
     """
 
 
 class Probe:
     """Base class: override what the measurement needs; every hook is optional.
+
+    Example::
+
+        class WeightNorm(Probe):
+            name = "weight_norm"
+
+            def series(self):
+                return {"weight_norm": {"norm": SeriesSpec(view=View("scalar", "‖θ‖", "norm"))}}
+
+            def on_step_end(self, trainer, pl_module, batch, outputs, step):
+                norm = torch.linalg.vector_norm(flatten(pl_module.parameters())).detach()
+                return {"weight_norm": {"norm": norm}}
 
     Args:
         every_n_steps: record at optimizer steps that are multiples of this.

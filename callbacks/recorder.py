@@ -45,54 +45,12 @@ OnProbeError = Literal["disable", "raise"]
 class RecorderBase:
     """Records what its probes measure into one HDF5 run file, without changing the training.
 
-    The recorder owns the file (checked and locked at fit start, before the sanity check:
-    refused if it exists unless ``overwrite``, and refused while another live run writes it;
-    created at the first training batch, on global rank zero only, replacing an old file only
-    once the new one exists), the per-probe schedules, block writes and flushes (see
-    ``flush_interval_s``), the run status (running,
-    finished or crashed, the last flushed step, wall time), and the checkpoint state that lets
-    ``Trainer.fit(ckpt_path=...)`` continue the same file: rows recorded after the checkpoint's
-    step are dropped first, so a resumed run's series equal an uninterrupted run's. Probes run
-    on every rank (some need collectives); only rank zero writes.
+    What it owns, how resumes and probe errors are handled: ``docs/probes/recorder.md``.
 
-    A resume proves the file is the checkpoint's own: the checkpoint keeps the file's
-    identity (its run id and θ0's hash) and row counts, and a file that differs (replaced by
-    another run) is refused at fit start, as is one recorded with other probes (at fit start;
-    other series, at the first batch, before anything is written). A recorder whose path
-    differs from the checkpoint's (a relative path, a moved folder, a copy) continues the file
-    at its path when that file is the checkpoint's run, with a warning, and is refused
-    otherwise. A checkpoint holding no recorder state cannot continue an existing file: that
-    is refused unless ``overwrite``; a new file it starts has θ0 = the checkpoint's parameters,
-    which a warning and an event in the file say.
+    Example::
 
-    The file also keeps what the fit is, written with it at the first training batch: the
-    module's class, its saved hyperparameters (init args) and its submodules, the parameter
-    layout and θ0's hash, each optimizer's and scheduler's class and hyperparameters, the
-    precision, the training data's description (DataModule class and hyperparameters, each
-    loader's dataset class, length, batch size and sampler) and the probes' settings, so that
-    ``dynamics compare`` can tell what two runs of any project share. It also keeps what other
-    callbacks did to the module before θ0 (``model_edits``): any callback with a method
-    ``dynamics_edit()`` returning a JSON dict (``class_path``, ``edit``, ``settings``,
-    ``table``) or None, as :class:`~dynamics.callbacks.ShiftActivations` and
-    :class:`~dynamics.callbacks.InitBiases` have; their ``setup`` ran before the first batch,
-    so the order of the callbacks does not matter. A fit resumed from a checkpoint must edit the
-    model as the checkpoint's fit did (a shift left out would change the model silently): it is
-    refused otherwise.
-
-    A step's rows describe the parameters θ_step its forward used: probes are armed before the
-    first micro-batch of a due step, see every micro-batch's outputs, and are collected after
-    its optimizer step.
-
-    A probe that raises from any hook — :class:`~dynamics.callbacks.ProbeUnavailable`, or
-    anything else (an unsupported op, a NaN, out of memory), or rows unlike those it declared —
-    is disabled for the rest of the run, not retried: a retried probe would leave gaps that
-    read as measurements. The recorder records an event (step, probe, kind, message; see
-    ``Run.events()``), warns once, and training goes on. A probe disabled before the file
-    exists declares no series. Under DDP each rank disables its own probes, and the file holds
-    rank zero's events.
-
-    This class is not a ``Callback`` itself: use :class:`DynamicsRecorder` (``pytorch_lightning``)
-    or ``dynamics.callbacks.lightning.DynamicsRecorder`` (``lightning.pytorch``).
+        recorder = DynamicsRecorder("runs/run.h5", [TrainingLoss(), HiddenStateNorms()])
+        pl.Trainer(callbacks=[recorder]).fit(module)
 
     Args:
         path: the run file to write.

@@ -19,32 +19,11 @@ from dynamics.store import names
 class ShiftActivationsBase:
     """Apply :func:`dynamics.bias.shift_activations` to the module when it is set up.
 
-    Namespace-free: :class:`ShiftActivations` is the ``pytorch_lightning`` callback and
-    ``dynamics.callbacks.lightning.ShiftActivations`` the ``lightning.pytorch`` one. A user A/Bs
-    their own model without editing it, in a LightningCLI config::
+    When it shifts, how a resume replays it, and pitfalls: ``docs/probes/shift_activations.md``.
 
-        - class_path: dynamics.callbacks.ShiftActivations
-          init_args: {shift: expected, exclude: ["head.**"]}
+    Example::
 
-    ``setup`` runs before every ``on_fit_start``, so the module is shifted before the recorder
-    records θ0, whatever the order of the callbacks (shifting changes no parameter: θ0 is the
-    same). A module that builds layers in ``configure_model`` (Lightning's hook for large
-    models, called after ``setup``) is shifted once they exist instead: when fitting,
-    validating, testing or predicting starts, or earlier when the recorder asks
-    (:meth:`complete_edit`) — an activation holds no parameter, so the optimizer built in
-    between is unaffected. It shifts at every stage (fit, validate, test, predict), since the
-    model must compute what it trained with; a module it has shifted already is left alone, so a
-    second ``setup`` (``trainer.validate`` after ``trainer.fit``) never shifts twice. A
-    checkpoint holds parameters only and the shift has none: a fit resumed from one
-    (``ckpt_path=``) is shifted again at its setup, as its config lists this callback, and
-    continues as if never stopped.
-    What was done is kept in ``table`` and stored in the run file by the recorder (see
-    :meth:`dynamics_edit`), and ``dynamics plane`` shifts the model it rebuilds the same way.
-
-    The arguments are those of :func:`~dynamics.bias.shift_activations` that a config can
-    hold. Its ``custom`` (a callable φ for a module of the user's own) and ``example_input``
-    (a traced forward that lists functional calls such as ``F.gelu(x)``) are not: call the
-    function in the module's ``__init__`` for those.
+        trainer = pl.Trainer(callbacks=[ShiftActivations("expected"), DynamicsRecorder("run.h5")])
 
     Args:
         shift: ``"expected"`` (c = E[φ(z)], z ~ N(0, 1), by quadrature of each module's own

@@ -17,21 +17,11 @@ from dynamics.world import Reduce, checked_reduce
 class TrainingLoss(Probe):
     """The loss of each recorded optimizer step, as ``training_step`` computed it.
 
-    Under gradient accumulation the row is the mean over the step's micro-batches of the loss
-    each returned, unscaled: Lightning hands callbacks the loss divided by
-    ``accumulate_grad_batches`` (the share each micro-batch adds to the gradient), which this
-    probe multiplies back, so the curve is comparable with a validation loss whatever the
-    accumulation.
+    What it records, cost, when it steps aside and pitfalls: ``docs/probes/training_loss.md``.
 
-    A micro-batch whose ``training_step`` returned no loss (manual optimization often returns
-    nothing) contributes the value it logged under ``loss_key`` (``self.log(loss_key, ...)``;
-    ``<loss_key>_step`` when it logged on step and epoch), and a warning event says so once. A
-    step with neither records NaN, with one warning event for the run.
+    Example::
 
-    Under DDP the row is of the global batch by default (``reduce="global"``): the mean over
-    every rank's micro-batch losses (their sum and count added up across ranks in one
-    collective, with no host sync), the loss whose gradient DDP's averaged step follows;
-    ``reduce="rank0"`` records rank zero's micro-batches alone, with no collective.
+        TrainingLoss(loss_key="train_loss", every_n_steps=1)
 
     Args:
         loss_key: the logged metric that stands in for a loss ``training_step`` did not return.

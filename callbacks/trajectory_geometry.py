@@ -61,47 +61,11 @@ GRADIENT_DEFINITION = (
 class TrajectoryGeometry(Probe):
     """Path length, tortuosity and the directions of the updates, per optimizer step.
 
-    The row at step t describes that step's update Δt = θt+1 − θt (the change of the trainable
-    parameters over the training batch, whatever the optimizer did: momentum, Adam's scaling,
-    weight decay, every micro-batch of an accumulated step), as ``ParameterDisplacement``'s
-    ``update`` does:
+    What it records, cost, when it steps aside and pitfalls: ``docs/probes/trajectory_geometry.md``.
 
-    - ``path_length``: Σ_{s ≤ t} ‖Δs‖, the length of the path θ0 → θ1 → ... → θt+1;
-    - ``tortuosity``: path length / ‖θt+1 − θ0‖ (1 for a straight path, larger the more it
-      winds; NaN while θ has not moved);
-    - ``update_cosine``: cos(Δt−1, Δt), NaN at the first step measured;
-    - ``gradient_cosine``: cos(Δt, −gt), 1 for plain SGD, less under momentum or Adam, where
-      gt is the gradient the optimizer was handed for that update (:data:`GRADIENT_DEFINITION`):
-      what ``.grad`` holds after the optimizer step, since Lightning zeroes gradients only
-      before the next step's first backward. Gradient clipping changes that gradient and is
-      seen; a gradient still carrying AMP's loss scale (optimizers that unscale inside their
-      step) has the same direction, so the same cosine; an AMP step skipped for non-finite
-      gradients has Δt = 0 and NaN cosines.
+    Example::
 
-    A cosine with a zero vector is NaN: no direction, not an angle.
-
-    With ``per_tensor=True`` the same is recorded per parameter tensor i (one column per tensor
-    of the parameter layout, drawn as lines like the per-tensor displacement):
-    ``path_length_per_tensor`` Σ_{s ≤ t} ‖Δs,i‖, ``update_cosine_per_tensor`` cos(Δt−1,i, Δt,i)
-    and, where ``gradient_cosine`` is recorded, ``gradient_cosine_per_tensor`` cos(Δt,i, −gt,i);
-    NaN for a tensor that did not move or has no gradient. The per-tensor norms the totals are
-    made of are reused; the cosines add a per-tensor normalization of the update (and of the
-    gradient) and one parameter-sized buffer (the previous update's per-tensor directions).
-    Off, none of this is computed.
-
-    The gradient cannot be known, and ``gradient_cosine`` is not recorded (the probe's
-    settings say why and a warning event says so once), under manual optimization (the module
-    calls ``zero_grad``, ``backward``, clipping and ``step`` itself, possibly for several
-    optimizers, so ``.grad`` after the batch need not be what any step used) and with LBFGS
-    (its step evaluates the gradient several times; ``.grad`` holds the last evaluation's). A
-    step that ends with no gradient at all records NaN, with a warning event once.
-
-    Every step is measured, so the path length counts every update; ``every_n_steps`` thins
-    the rows only. The work stays on the device, per parameter tensor with ``torch._foreach_*``
-    kernels (no flat copy of the parameter vector): one copy of θt before each step and a few
-    kernels after it, and the probe keeps three parameter-sized buffers (θ0, θt, the previous
-    update's direction), in float32 for lower-precision parameters. Rows are measured on
-    global rank zero, where the ranks' parameters agree.
+        TrajectoryGeometry(per_tensor=True)
 
     Args:
         every_n_steps: period of the rows in optimizer steps.

@@ -1,144 +1,100 @@
-"""Dead, saturated and non-finite units of a recorded output: what each activation's flat
-regions are, and the few device ops that count them without a host sync.
-
-**Dead** (the ReLU family: ``nn.ReLU``, ``nn.ReLU6`` and ``ShiftedActivation`` of ``relu`` with a
-fixed shift): a unit is dead on a batch when its output equals the activation's flat value (0,
-or −c once shifted by c) for every sample — and, for sequences and images, at every position.
-That value is the activation's minimum, so the test is one max over the batch: exact, no
-threshold.
-
-**Saturated** (``nn.Sigmoid``, ``nn.Tanh``, ``nn.Hardsigmoid``, ``nn.Hardtanh`` and
-``ShiftedActivation`` of ``sigmoid``/``tanh`` with a fixed shift): a unit is saturated on a
-batch when every sample's output lies within :data:`SATURATION_TOLERANCE` of a bound (either
-bound: its gradient vanishes for every sample either way).
-
-Activations without an exact flat region — GELU, SiLU, ELU, LeakyReLU, PReLU, SELU, CELU,
-Mish, Softplus, Hardswish, a user's own — get neither: GELU, for one, is exactly 0 only at 0,
-and any threshold for "nearly dead" would be a number chosen here rather than measured. So is
-an adaptive ``ShiftedActivation``, whose flat value moves with each sample's mean.
-
-**Non-finite**: the fraction of NaN and ±inf entries of every recorded output, counted in float
-arithmetic (x − x is 0 exactly for finite x and NaN otherwise), since bool reductions cost
-several times more on CPU.
-"""
+"""Unit health: dead and saturated units of activation modules, non-finite values of outputs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dynamics.bias.activations import ShiftedActivation
+from dynamics.callbacks.module_outputs import ModuleOutputs
+from dynamics.callbacks.position_means import MaskRule
+from dynamics.callbacks.unit_kinds import (
+    DEAD,
+    SATURATED,
+    SATURATION_TOLERANCE,
+    VIEWS,
+    UnitKind,
+    nonfinite_per_position,
+    unit_extremes,
+    unit_fraction,
+    unit_fraction_of,
+    unit_kind,
+)
 from dynamics.store import names
-from dynamics.store.schema import View
+from dynamics.world import Reduce
 
-#: How close to a bound (absolute) a saturating activation's output counts as saturated.
-SATURATION_TOLERANCE = 1e-3
-
-#: A unit kind's label in the run file's settings.
-DEAD, SATURATED = "dead", "saturated"
-
-#: How the unit-health series are drawn (declared with them: files from before views existed
-#: cannot hold these series, so the standard views' table of older files leaves them out).
-VIEWS = {
-    names.UNIT_DEAD: View("lines", "Dead units per activation (flat for every sample)", "fraction"),
-    names.UNIT_SATURATED: View(
-        "lines", "Saturated units per activation (within 1e-3 of a bound)", "fraction"
-    ),
-    names.UNIT_NONFINITE: View("lines", "Non-finite values per recorded output", "fraction"),
-}
+__all__ = [
+    "DEAD",
+    "SATURATED",
+    "SATURATION_TOLERANCE",
+    "VIEWS",
+    "UnitHealth",
+    "UnitKind",
+    "nonfinite_per_position",
+    "unit_extremes",
+    "unit_fraction",
+    "unit_fraction_of",
+    "unit_kind",
+]
 
 
-@dataclass(frozen=True)
-class UnitKind:
-    """What a unit of an activation module can be: dead at ``low`` (the ReLU family) or
-    saturated near ``low`` or ``high`` (sigmoid, tanh)."""
+class UnitHealth(ModuleOutputs):
+    """Per due step (group ``unit_health``): the fraction of each activation module's units that
+    were dead (the ReLU family) or saturated (sigmoid, tanh) for every sample of the batch, and
+    the fraction of non-finite values of every recorded output (the chosen modules and the
+    activation modules). Activations without an exact flat region (GELU, SiLU, ...) get neither
+    fraction (:mod:`dynamics.callbacks.unit_kinds`).
 
-    kind: str  # DEAD or SATURATED
-    low: float
-    high: float = float("inf")
+    ``HiddenStateNorms(unit_health=True)`` records the same group; use this one beside
+    ``HiddenStateNorms()``, or alone. Cost, unit axes and pitfalls:
+    ``docs/probes/unit_health.md``.
 
-    def describe(self) -> dict[str, float | str]:
-        if self.kind == DEAD:
-            return {"kind": DEAD, "flat_value": self.low}
-        return {"kind": SATURATED, "bounds": [self.low, self.high], "tol": SATURATION_TOLERANCE}
+    Example::
 
+        UnitHealth(every_n_steps=10)
 
-_SATURATING_FUNCTIONS = {torch.sigmoid: (0.0, 1.0), torch.tanh: (-1.0, 1.0)}
-
-
-def unit_kind(module: nn.Module) -> UnitKind | None:
-    """The kind of ``module``'s units, or None where "dead" or "saturated" has no exact meaning."""
-    if isinstance(module, (nn.ReLU, nn.ReLU6)):
-        return UnitKind(DEAD, 0.0)
-    if isinstance(module, nn.Hardtanh):
-        return UnitKind(SATURATED, module.min_val, module.max_val)
-    if isinstance(module, (nn.Sigmoid, nn.Hardsigmoid)):
-        return UnitKind(SATURATED, 0.0, 1.0)
-    if isinstance(module, nn.Tanh):
-        return UnitKind(SATURATED, -1.0, 1.0)
-    if isinstance(module, ShiftedActivation) and module.shift != "adaptive":
-        c = module.constant
-        if module.phi is F.relu:
-            return UnitKind(DEAD, -c)
-        if module.phi in _SATURATING_FUNCTIONS:
-            low, high = _SATURATING_FUNCTIONS[module.phi]
-            return UnitKind(SATURATED, low - c, high - c)
-    return None
-
-
-def unit_fraction(output: torch.Tensor, kind: UnitKind, unit_dim: int) -> torch.Tensor:
-    """The fraction of units (entries along ``unit_dim``) dead or saturated over every other
-    axis of ``output`` (the batch, positions), as a 0-d float32 tensor."""
-    return unit_fraction_of(unit_extremes(output, kind, unit_dim), kind)
-
-
-def nonfinite_per_position(output: torch.Tensor, feature_dim: int) -> torch.Tensor:
-    """The fraction of NaN and ±inf entries across the features at each position (float32), so
-    that padded positions can be left out before the mean; a 0-D or 1-D output as it is."""
-    flags = (output - output).nan_to_num_(nan=1.0)
-    if output.dim() < 2:
-        return flags.float()
-    return flags.mean(dim=feature_dim, dtype=torch.float32)
-
-
-def unit_extremes(
-    output: torch.Tensor, kind: UnitKind, unit_dim: int, mask: torch.Tensor | None = None
-) -> torch.Tensor | str:
-    """Per unit (entry along ``unit_dim``), the extreme over every other axis that decides it:
-    for dead units the maximum output, for saturated ones minus the least distance from the
-    middle of the bounds. Both combine over micro-batches and ranks by a maximum, and
-    :func:`unit_fraction_of` turns them into the fraction. ``mask`` (batch, positions) leaves
-    padded positions out; where the output's positions do not start with the mask's shape, why.
+    Args:
+        modules: name patterns of the modules whose non-finite values are counted (default:
+            the residual blocks, as ``HiddenStateNorms`` chooses).
+        types: module classes to count likewise.
+        feature_dims: ``{pattern: axis}``: the feature (unit) axis of matching modules.
+        feature_dim: one feature axis for every module (below ``feature_dims``).
+        activations: the built-in activation classes count.
+        activation_types: further module classes whose output is a post-activation.
+        activation_modules: name patterns of further activation modules.
+        mask: the real positions: None (``attention_mask`` of a dict batch), a callable
+            ``(batch) -> bool tensor``, or False (every position).
+        reduce: ``"global"`` (every rank's batch) or ``"rank0"``.
+        every_n_steps: recording period in optimizer steps.
     """
-    out = output.movedim(unit_dim, -1)
-    keep = None
-    if mask is not None:
-        positions, m = tuple(out.shape[:-1]), tuple(mask.shape)
-        if positions[: len(m)] == m:
-            keep = mask.reshape(*m, *([1] * (out.dim() - len(m))))
-        elif not (len(positions) < len(m) and positions == m[: len(positions)]):
-            return f"positions of shape {positions} do not start with the mask's shape {m}"
-    if kind.kind == DEAD:
-        values = out
-    else:
-        values = (out - (kind.low + kind.high) / 2).abs_().neg_()
-    if keep is not None:
-        values = values.masked_fill(~keep, float("-inf"))
-    return values.reshape(-1, out.shape[-1]).amax(dim=0)
 
+    name = names.UNIT_HEALTH
 
-def unit_fraction_of(extremes: torch.Tensor, kind: UnitKind) -> torch.Tensor:
-    """The fraction of dead or saturated units from :func:`unit_extremes` (0-d float32); NaN
-    where any extreme is NaN (a call not measured)."""
-    if kind.kind == DEAD:
-        # The flat value is the minimum: every entry equals it exactly when the max does.
-        # (max + c == 0 is max == −c in the output's own float arithmetic, as forward shifted.)
-        flat = extremes.add(-kind.low).eq_(0)
-    else:
-        half = (kind.high - kind.low) / 2
-        flat = extremes.neg().ge_(half - SATURATION_TOLERANCE)
-    fraction = flat.mean(dtype=torch.float32)
-    return torch.where(extremes.isnan().any(), float("nan"), fraction)
+    def __init__(
+        self,
+        modules: Sequence[str] | None = None,
+        types: Sequence[type[nn.Module]] | None = None,
+        feature_dims: Mapping[str, int] | None = None,
+        feature_dim: int | None = None,
+        activations: bool = True,
+        activation_types: Sequence[type[nn.Module]] | None = None,
+        activation_modules: Sequence[str] | None = None,
+        mask: MaskRule = None,
+        reduce: Reduce = "global",
+        every_n_steps: int = 1,
+    ) -> None:
+        super().__init__(
+            modules,
+            types,
+            feature_dims,
+            feature_dim,
+            activations,
+            activation_types,
+            activation_modules,
+            True,
+            mask,
+            reduce,
+            every_n_steps,
+            norms=False,
+            bias=False,
+        )

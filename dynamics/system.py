@@ -10,7 +10,12 @@ from dynamics.errors import DynamicsError
 
 def available_bytes() -> int:
     """The memory available to a new allocation: Linux's ``MemAvailable`` (free memory plus
-    caches it can drop), else the physical memory."""
+    caches it can drop), else the physical memory.
+
+    Example::
+
+        available_bytes() // 2**20  # MiB this process may still allocate
+    """
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -23,6 +28,10 @@ def available_bytes() -> int:
 
 def check_fits(what: str, needed_bytes: float) -> None:
     """Refuse ``what`` when it needs more than the available memory.
+
+    Example::
+
+        check_fits("the 41×41 grid", 8 * 41 * 41 * n_parameters)  # DynamicsError if it cannot
 
     Args:
         what: what needs the memory, as the message's subject (e.g. ``"--grid 100000"``).
@@ -41,5 +50,10 @@ def check_fits(what: str, needed_bytes: float) -> None:
 
 
 def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    """The CPU cores this process may run on (its affinity mask, where the OS has one).
+
+    Example::
+
+        processes = min(jobs, available_cores())
+    """
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

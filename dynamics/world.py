@@ -27,12 +27,23 @@ def is_distributed() -> bool:
 
 
 def rank() -> int:
-    """This process's global rank (0 outside a process group)."""
+    """This process's global rank (0 outside a process group).
+
+    Example::
+
+        if rank() == 0:
+            print("written by rank zero")
+    """
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size() -> int:
-    """How many processes share the default process group (1 outside one)."""
+    """How many processes share the default process group (1 outside one).
+
+    Example::
+
+        global_batch = world_size() * local_batch
+    """
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -44,6 +55,10 @@ def all_reduce(tensors: Sequence[torch.Tensor], op: ReduceOp = "sum") -> list[to
     dtypes; the inputs are left as they were. No host sync: on a GPU the collective is queued on
     the device like any kernel. Every rank must call it with tensors of the same shapes.
     In a single process the tensors are returned as they are.
+
+    Example::
+
+        total, count = all_reduce([loss_sum, n])  # one collective; a no-op on one process
     """
     if op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}")
@@ -56,7 +71,12 @@ def all_reduce(tensors: Sequence[torch.Tensor], op: ReduceOp = "sum") -> list[to
 
 
 def average(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` averaged over every rank, in place (the data-parallel mean of a gradient)."""
+    """``tensor`` averaged over every rank, in place (the data-parallel mean of a gradient).
+
+    Example::
+
+        average(gradient)  # in place: the mean over ranks, as DDP's step applies
+    """
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         tensor /= dist.get_world_size()
@@ -67,6 +87,10 @@ def gather_to_zero(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     """Every rank's ``tensor`` (same shape on each), in rank order, on rank zero; None elsewhere.
 
     Gathered with ``all_gather``, which every backend (gloo, NCCL) implements for any shape.
+
+    Example::
+
+        rows = gather_to_zero(local_rows)  # a list on rank zero, None elsewhere
     """
     if not is_distributed():
         return [tensor.clone()]

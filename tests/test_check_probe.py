@@ -1,4 +1,4 @@
-"""check_probe, the helper users run on their own probes, and the README's probe example."""
+"""check_probe, the helper users run on their own probes, and the docs' probe example."""
 
 import re
 from pathlib import Path
@@ -21,14 +21,14 @@ from dynamics.callbacks import (
     check_probe,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+WRITING_A_PROBE = Path(__file__).resolve().parents[1] / "docs" / "writing-a-probe.md"
 
 
-def test_the_readme_probe_example_runs_as_written():
-    section = README.read_text().split("## Write your own probe")[1].split("\n## ")[0]
-    code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL))
+def test_the_docs_probe_example_runs_as_written():
+    page = WRITING_A_PROBE.read_text()
+    code = "\n".join(re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL))
     namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(code, str(WRITING_A_PROBE), "exec"), namespace)
     tests = [f for name, f in namespace.items() if name.startswith("test_")]
     assert tests
     for test in tests:

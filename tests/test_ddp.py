@@ -7,7 +7,14 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from dynamics import open_run
-from dynamics.callbacks import DynamicsRecorder, GradientPlane, HiddenStateNorms, TrainingLoss
+from dynamics.callbacks import (
+    ActivationBias,
+    DynamicsRecorder,
+    GradientPlane,
+    HiddenStateNorms,
+    TrainingLoss,
+    UnitHealth,
+)
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
 from dynamics.experiments.teacher_student import _TeacherStream, stream_seed
 
@@ -99,15 +106,27 @@ def _recorded(run):
     }
 
 
-def test_ddp_records_the_global_batch_as_one_process_over_it_does(tmp_path, quiet_trainer):
+def _one_probe():
+    return [HiddenStateNorms(modules=["mix", "act"], feature_dim=-1, unit_health=True)]
+
+
+def _split_probes():  # the same groups from three probes, each with its own hooks
+    return [
+        HiddenStateNorms(modules=["mix", "act"], feature_dim=-1, activations=False),
+        ActivationBias(feature_dim=-1),
+        UnitHealth(modules=["mix", "act"], feature_dim=-1),
+    ]
+
+
+@pytest.mark.parametrize("output_probes", [_one_probe, _split_probes])
+def test_ddp_records_the_global_batch_as_one_process_over_it_does(
+    tmp_path, quiet_trainer, output_probes
+):
     def fit(path, batch_size, **trainer):
         torch.manual_seed(0)
         module = PaddedTagger()
         module.batch_size = batch_size
-        probes = [
-            TrainingLoss(),
-            HiddenStateNorms(modules=["mix", "act"], feature_dim=-1, unit_health=True),
-        ]
+        probes = [TrainingLoss(), *output_probes()]
         recorder = DynamicsRecorder(path, probes)
         quiet_trainer(max_steps=3, callbacks=[recorder], **trainer).fit(module)
         return open_run(path)

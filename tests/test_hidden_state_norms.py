@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, HiddenStateNorms
-from dynamics.callbacks import hidden_state_norms as module_under_test
+from dynamics.callbacks import module_outputs as module_under_test
 from dynamics.callbacks.probe import ProbeUnavailable
 
 

@@ -506,10 +506,11 @@ def test_a_resumed_fit_continues_the_same_rows_and_cumulative_share(tmp_path, qu
         np.testing.assert_array_equal(values, b[name], err_msg=name)
 
 
-def test_the_readme_yaml_builds_the_probe() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Where the loss change comes from")[1].split("\n## ")[0]
-    [config] = yaml.safe_load(section.split("```yaml")[1].split("```")[0])
+def test_the_docs_yaml_builds_the_probe() -> None:
+    page = Path(__file__).resolve().parents[1] / "docs" / "recording.md"
+    config = yaml.safe_load(page.read_text().split("```yaml")[1].split("```")[0])
+    [recorder] = config["trainer"]["callbacks"]
+    config = recorder["init_args"]["probes"][-1]
     assert config["class_path"] == "dynamics.callbacks.LossChangeSplit"
     probe = LossChangeSplit(**config["init_args"])
     assert probe.every_n_steps == 10 and probe.groups == "kind"

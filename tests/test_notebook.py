@@ -113,6 +113,7 @@ def test_a_group_without_rows_is_empty_with_its_columns_named(tmp_path):
 def test_a_missing_optional_package_says_how_to_install_it(run, monkeypatch, module, call):
     monkeypatch.setitem(sys.modules, module, None)  # what an uninstalled package raises
     with pytest.raises(
-        DynamicsError, match=rf"^{module} is not installed; pip install 'dynamics\[notebook\]'$"
+        DynamicsError,
+        match=rf"^{module} is not installed; pip install 'dynamics-for-pytorch\[notebook\]'$",
     ):
         call(run)

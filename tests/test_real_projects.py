@@ -716,7 +716,7 @@ class WideLinear(pl.LightningModule):
 
 
 def test_default_recorder_on_a_model_above_the_snapshot_budget(tmp_path):
-    """The README's snippet, ``DynamicsRecorder(path)`` with no probe arguments, works on a 9M-
+    """The recorder with no probe arguments, ``DynamicsRecorder(path)``, works on a 9M-
     parameter model (36 MB per float32 snapshot, so the default 64 MB snapshot
     budget holds fewer than two), and stores θ0 exactly."""
     torch.manual_seed(0)

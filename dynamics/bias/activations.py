@@ -144,6 +144,10 @@ def expected_value(phi: Callable[[torch.Tensor], torch.Tensor]) -> float:
     integral is split at that point, since the fold alone is off by up to ~3e-3 there; so is a
     :class:`ClippedGELU`'s where GELU meets its upper bound.
 
+    Example::
+
+        expected_value(torch.relu)  # 1/√(2π) ≈ 0.3989
+
     Args:
         phi: any elementwise function of a float64 tensor, e.g. ``F.relu`` or a parametrised
             module such as ``nn.ELU(alpha=0.5)``; other kinks than 0 (or far out in the tail)
@@ -187,6 +191,11 @@ def _softplus_expectation(beta: float, threshold: float) -> float:
 
 class ShiftedActivation(nn.Module):
     """φ(x) − shift, applied elementwise.
+
+    Example::
+
+        act = ShiftedActivation("gelu", "expected")  # φ(x) − E[φ(z)], z ~ N(0, 1)
+        act(torch.randn(4, 16))
 
     Args:
         name: one of ``relu``, ``gelu``, ``silu`` (``swish``), ``sigmoid``, ``tanh``; with

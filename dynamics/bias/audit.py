@@ -85,6 +85,12 @@ def audit(
 ) -> AuditResult:
     """Audit the biases of ``model``, leaving it, its mode and the random state as they were.
 
+    Example::
+
+        result = audit(model, example_input=torch.randn(8, 784))
+        print(result.share())  # e.g. "906 of 567,434 = 0.16 %"
+        result.to_dict()  # JSON-ready
+
     Args:
         model: any module.
         example_input: what ``model(example_input)`` takes (a tensor, or a tuple, list or dict

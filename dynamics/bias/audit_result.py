@@ -108,6 +108,11 @@ class AuditResult:
     """What :func:`dynamics.bias.audit` found; ``lines()`` and ``tables()`` render it,
     ``to_dict()`` gives it as JSON and ``from_dict()`` takes it back.
 
+    Example::
+
+        result = audit(model, example_input=x)
+        result.share(), result.bias_free, [layer.module for layer in result.layers]
+
     Attributes:
         parameters: one row per module holding parameters.
         origin: the origin check.

@@ -22,7 +22,13 @@ from dynamics.params.groups import is_bias
 
 
 class BiasSet(NamedTuple):
-    """One parameter a recipe changed: the module's name, the parameter's name, what was set."""
+    """One parameter a recipe changed: the module's name, the parameter's name, what was set.
+
+    Example::
+
+        for row in constant(model, 0.01):
+            print(row.module, row.parameter, row.value)
+    """
 
     module: str
     parameter: str
@@ -62,6 +68,10 @@ def zeros(
     recurrent layers alike. ``include`` and ``exclude`` choose modules by name pattern, as
     :func:`~dynamics.bias.shift_activations` does (``*``: one segment, ``**``: any depth):
     ``exclude=["head"]`` leaves the output layer's bias alone.
+
+    Example::
+
+        zeros(model, exclude=["head"])
     """
     return constant(model, 0.0, include=include, exclude=exclude)
 
@@ -74,7 +84,12 @@ def constant(
     exclude: Sequence[str] = (),
 ) -> list[BiasSet]:
     """Set every bias parameter (as in :func:`zeros`, with its ``include`` and ``exclude``) to
-    ``value``; a small positive one (0.01) keeps ReLU units active at first."""
+    ``value``; a small positive one (0.01) keeps ReLU units active at first.
+
+    Example::
+
+        constant(model, 0.01, include=["blocks.*.fc"])  # small positive biases for ReLU layers
+    """
     table = []
     with torch.no_grad():
         for module_name, name, parameter in _bias_parameters(model, include, exclude):
@@ -98,6 +113,10 @@ def normal(
 
     The draws come from ``generator`` (a CPU generator), else from a new one seeded with ``seed``;
     the global random state is left alone.
+
+    Example::
+
+        normal(model, 0.0, 0.01, seed=0)  # its own generator: the global RNG is untouched
     """
     if std < 0:
         raise DynamicsError(f"normal needs std >= 0, got {std}")
@@ -142,6 +161,10 @@ def log_odds(
     contribute nothing (zero weights or zero input); the step-0 cross-entropy is then the priors'
     entropy.
 
+    Example::
+
+        log_odds(model, [0.9, 0.1])  # initial softmax over 2 classes = (0.9, 0.1)
+
     Args:
         model: the model; its output layer is ``layer``, else the last ``nn.Linear``.
         priors: the class frequencies, positive, summing to 1.
@@ -175,6 +198,10 @@ def mean_target(model: nn.Module, y: torch.Tensor, *, layer: str | None = None) 
 
     ``y`` is (N,) for one output or (N, outputs). Where the output layer's input has zero mean
     over the data, the network's mean prediction at step 0 equals the mean target.
+
+    Example::
+
+        mean_target(model, y_train)  # the output layer starts at the mean target
     """
     name, head = _output_layer(model, layer)
     y = torch.as_tensor(y)
@@ -200,6 +227,10 @@ def lstm_forget_gate(model: nn.Module, value: float = 1.0) -> list[BiasSet]:
     ``bias_ih`` and ``bias_hh``, which add. The value goes into ``bias_ih``'s forget quarter and
     ``bias_hh``'s forget quarter becomes 0, so their sum is exactly ``value``; every other entry is
     left as it was. Commonly 1 or 2.
+
+    Example::
+
+        lstm_forget_gate(model, 1.0)
     """
     lstms = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.LSTM | nn.LSTMCell)]
     if not lstms:
@@ -244,6 +275,11 @@ def check_recipe(recipe: str, options: dict[str, Any]) -> None:
 
 
 def init_biases(model: nn.Module, recipe: str, **kwargs: Any) -> list[BiasSet]:
-    """Apply the recipe named ``recipe`` (a key of ``RECIPES``) with its keyword arguments."""
+    """Apply the recipe named ``recipe`` (a key of ``RECIPES``) with its keyword arguments.
+
+    Example::
+
+        init_biases(model, "constant", value=0.01, exclude=["head"])  # as a config names it
+    """
     check_recipe(recipe, kwargs)
     return RECIPES[recipe](model, **kwargs)

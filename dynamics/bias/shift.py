@@ -84,7 +84,13 @@ class ShiftRow:
 
 
 class ShiftTable(list[ShiftRow]):
-    """The rows :func:`shift_activations` returns; ``str()`` renders them as a table."""
+    """The rows :func:`shift_activations` returns; ``str()`` renders them as a table.
+
+    Example::
+
+        table = shift_activations(model, "adaptive", dim=1)
+        [row.module for row in table if row.replaced]
+    """
 
     def __str__(self) -> str:
         header = ("module", "activation", "replaced", "shift", "c", "note")
@@ -145,6 +151,11 @@ def shift_activations(
     """Replace, in place, every activation module by one that subtracts its shift.
 
     Parameters are untouched (θ0 stays the same): the wrapper holds the original module as φ.
+
+    Example::
+
+        table = shift_activations(model, "expected", exclude=["head.**"], example_input=x)
+        print(table)  # one row per activation found: replaced or why not, the shift c
 
     Args:
         model: any module; its activation modules (:data:`ACTIVATION_MODULES`) are swapped.

@@ -1,34 +1,35 @@
 """Curvature of a scalar loss: one operator (Hessian-vector products), algorithms on it.
 
 Start with :func:`top_eigenvalues`; every algorithm takes a :class:`LinearOperator`, of which
-:class:`HessianOperator` is the one built from a loss closure.
+:class:`HessianOperator` is the one built from a loss closure. The eigensolvers have one table of
+names, :data:`SOLVERS` (``curvature/solvers.py``), shared by ``top_eigenvalues(solver=)`` and
+``HessianSpectrum(solver=)``.
+
+The names load on first use: spectral broadening (``curvature/broadening.py``) is torch-free, so
+that offline pages drawing densities never import torch.
 """
 
-from dynamics.curvature.density import SpectralDensity, broadened_density, spectral_density
-from dynamics.curvature.eigenpairs import Eigenpairs
-from dynamics.curvature.error_bounds import eigenvalue_error_bounds
-from dynamics.curvature.operator import HessianOperator, LinearOperator
-from dynamics.curvature.power import power_iteration
-from dynamics.curvature.pyhessian_backend import pyhessian_eigenpairs
-from dynamics.curvature.restarted_lanczos import lanczos
-from dynamics.curvature.subspace_tracking import track_eigenpairs
-from dynamics.curvature.top_eigenvalues import top_eigenvalues
-from dynamics.curvature.trace import TraceEstimate, hutch_plus_plus, hutchinson
+from dynamics.exports import lazy_exports
 
-__all__ = [
-    "Eigenpairs",
-    "HessianOperator",
-    "LinearOperator",
-    "SpectralDensity",
-    "TraceEstimate",
-    "broadened_density",
-    "eigenvalue_error_bounds",
-    "hutch_plus_plus",
-    "hutchinson",
-    "lanczos",
-    "power_iteration",
-    "pyhessian_eigenpairs",
-    "spectral_density",
-    "top_eigenvalues",
-    "track_eigenpairs",
-]
+_HOMES = {
+    "SpectralDensity": "dynamics.curvature.density",
+    "broadened_density": "dynamics.curvature.density",
+    "spectral_density": "dynamics.curvature.density",
+    "Eigenpairs": "dynamics.curvature.eigenpairs",
+    "eigenvalue_error_bounds": "dynamics.curvature.error_bounds",
+    "HessianOperator": "dynamics.curvature.operator",
+    "LinearOperator": "dynamics.curvature.operator",
+    "power_iteration": "dynamics.curvature.power",
+    "HessianProblem": "dynamics.curvature.problem",
+    "pyhessian_eigenpairs": "dynamics.curvature.pyhessian_backend",
+    "lanczos": "dynamics.curvature.restarted_lanczos",
+    "SOLVERS": "dynamics.curvature.solvers",
+    "Solver": "dynamics.curvature.solvers",
+    "solver": "dynamics.curvature.solvers",
+    "track_eigenpairs": "dynamics.curvature.subspace_tracking",
+    "top_eigenvalues": "dynamics.curvature.top_eigenvalues",
+    "TraceEstimate": "dynamics.curvature.trace",
+    "hutch_plus_plus": "dynamics.curvature.trace",
+    "hutchinson": "dynamics.curvature.trace",
+}
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

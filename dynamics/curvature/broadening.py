@@ -15,6 +15,12 @@ def broadened_density(
     """``(1/runs) Σ_runs Σ_j weights·N(grid; nodes, sigma²)`` for recorded nodes and weights.
 
     Works offline on what :class:`~dynamics.callbacks.HessianSpectrum` stores.
+
+    Example::
+
+        hessian = open_run("run.h5").series("hessian")
+        nodes, weights = hessian["density_nodes"][-1], hessian["density_weights"][-1]
+        broadened_density(nodes, weights, np.linspace(-1, 10, 500), sigma=0.1)
     """
     nodes = np.atleast_2d(nodes)
     weights = np.atleast_2d(weights)

@@ -48,6 +48,11 @@ def spectral_density(
     values ``θ_j`` and the squared first components ``τ_j`` of their coordinate vectors form a
     Gauss quadrature of ``vᵀ f(H) v``, whose mean over runs estimates ``tr f(H) / n``.
 
+    Example::
+
+        density = spectral_density(HessianOperator(loss, params), runs=4, steps=40)
+        plt.plot(density.grid, density.density)
+
     Args:
         operator: symmetric operator.
         runs: independent start vectors.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -10,6 +10,11 @@ import torch
 @dataclass(frozen=True)
 class Eigenpairs:
     """Top-k eigenpairs of a symmetric operator, largest first.
+
+    Example::
+
+        pairs = top_eigenvalues(loss, params, k=3)
+        pairs.eigenvalues, pairs.residuals, pairs.converged
 
     Attributes:
         eigenvalues: shape ``(k,)``, float64 on the CPU.
@@ -29,3 +34,19 @@ class Eigenpairs:
     n_hvp: int
     converged: bool | None
     restarted: bool = False
+
+    def top(self, k: int) -> Eigenpairs:
+        """The first ``k`` pairs (a tracking solve's result without its guards).
+
+        Example::
+
+            pairs = top_eigenvalues(loss, params, k=5, solver="tracking")
+            pairs.top(5).eigenvalues  # the five asked for; pairs itself also holds two guards
+        """
+        residuals = None if self.residuals is None else self.residuals[:k]
+        return replace(
+            self,
+            eigenvalues=self.eigenvalues[:k],
+            eigenvectors=self.eigenvectors[:k],
+            residuals=residuals,
+        )

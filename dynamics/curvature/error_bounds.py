@@ -18,6 +18,11 @@ def eigenvalue_error_bounds(eigenvalues: torch.Tensor, residuals: torch.Tensor) 
     inequality gives ``|λ_i − θ_i| ≤ ‖r_i‖² / δ_i``. The last pair has no known neighbour
     below it, and a pair with ``‖r_i‖ ≥ δ_i`` has an unresolved gap: NaN for those (no bound).
 
+    Example::
+
+        pairs = top_eigenvalues(loss, params, k=5, solver="tracking")
+        eigenvalue_error_bounds(pairs.eigenvalues, pairs.residuals)  # NaN where no gap is known
+
     Args:
         eigenvalues: Ritz values, largest first.
         residuals: ``‖H v − θ v‖`` of each.

@@ -25,7 +25,20 @@ from dynamics.params.vectors import flatten
 
 class LinearOperator(Protocol):
     """What the algorithms need: a symmetric ``matvec`` on flat vectors of length ``size``,
-    returning a new tensor (the algorithms update it in place)."""
+    returning a new tensor (the algorithms update it in place).
+
+    Example::
+
+        class Dense:
+            def __init__(self, matrix):
+                self.matrix, self.size = matrix, len(matrix)
+                self.dtype, self.device = matrix.dtype, matrix.device
+
+            def matvec(self, vector):
+                return self.matrix @ vector
+
+        lanczos(Dense(hessian), k=3)
+    """
 
     @property
     def size(self) -> int: ...
@@ -45,6 +58,12 @@ class HessianOperator:
     The loss and its gradient graph are computed once, in the constructor, under
     :func:`twice_differentiable` (so attention models work); each :meth:`matvec` is one reverse
     pass through that graph. The operator never writes ``.grad``.
+
+    Example::
+
+        operator = HessianOperator(lambda: F.mse_loss(model(x), y), list(model.parameters()))
+        product = operator.matvec(torch.randn(operator.size))
+        operator.loss, operator.gradient, operator.n_hvp
 
     Args:
         loss_fn: zero-argument closure returning the scalar loss, computed through ``params``.
@@ -144,6 +163,11 @@ def twice_differentiable() -> Iterator[None]:
     aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"). The math
     backend composes ordinary differentiable ops, so attention is forced onto it here; it
     computes the same attention up to rounding, only slower and with more memory.
+
+    Example::
+
+        with twice_differentiable():
+            loss = F.cross_entropy(gpt(tokens), targets)  # attention on the math backend
     """
     with sdpa_kernel(SDPBackend.MATH):
         yield

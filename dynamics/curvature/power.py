@@ -7,6 +7,7 @@ import torch
 from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.krylov import random_vectors
 from dynamics.curvature.operator import LinearOperator
+from dynamics.curvature.problem import HessianProblem
 
 
 def power_iteration(
@@ -25,6 +26,10 @@ def power_iteration(
     the error left in the earlier vectors, so requiring it would stall. The full residuals are
     reported. Convergence is geometric in ``|λ_{i+1}/λ_i|``, so close eigenvalues cost many
     products; that is why this exists only for comparison.
+
+    Example::
+
+        power_iteration(HessianOperator(loss, params), k=2, tol=1e-6, max_hvp=2000)
 
     Args:
         operator: symmetric operator.
@@ -72,6 +77,21 @@ def power_iteration(
         n_hvp=n_hvp,
         converged=converged,
     )
+
+
+def solve_power(
+    problem: HessianProblem,
+    k: int,
+    tol: float,
+    *,
+    max_hvp: int,
+    previous: torch.Tensor | None,
+    basis_size: int | None,
+    seed: int,
+) -> Eigenpairs:
+    """The ``"power"`` entry of the solver table: :func:`power_iteration` (no start vectors,
+    no basis: the table refuses ``previous`` and ``basis_size`` for it)."""
+    return power_iteration(problem.operator, k, tol, max_hvp=max_hvp, seed=seed)
 
 
 def _deflated(vector: torch.Tensor, found: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 
 from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.operator import twice_differentiable
+from dynamics.curvature.problem import HessianProblem
 from dynamics.params.vectors import flatten
 from dynamics.passes.isolation import side_effect_free
 
@@ -30,6 +31,10 @@ def pyhessian_eigenpairs(
     :func:`~dynamics.passes.isolation.side_effect_free`, so all of that is undone, and in the
     parameters' dtype. The products it makes are counted with a gradient hook on the first
     parameter (one call per product, plus one for its initial gradient).
+
+    Example::
+
+        pyhessian_eigenpairs(lambda: F.mse_loss(model(x), y), list(model.parameters()), k=2)
 
     Args:
         loss_fn: zero-argument closure returning the scalar loss, computed through ``params``.
@@ -72,6 +77,24 @@ def pyhessian_eigenpairs(
         residuals=None,
         n_hvp=calls[0] - 1,
         converged=None,
+    )
+
+
+def solve_pyhessian(
+    problem: HessianProblem,
+    k: int,
+    tol: float,
+    *,
+    max_hvp: int,
+    previous: torch.Tensor | None,
+    basis_size: int | None,
+    seed: int,
+) -> Eigenpairs:
+    """The ``"pyhessian"`` entry of the solver table: :func:`pyhessian_eigenpairs` on the
+    problem's closure (it builds its own products), ``max_hvp // k`` iterations per pair; it
+    draws its start vectors itself, so ``seed`` does not reach it."""
+    return pyhessian_eigenpairs(
+        problem.loss_fn, problem.params, k, tol, max_iter=max(1, max_hvp // k)
     )
 
 

@@ -7,6 +7,7 @@ import torch
 from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.krylov import KrylovBasis, random_vectors
 from dynamics.curvature.operator import LinearOperator
+from dynamics.curvature.problem import HessianProblem
 
 
 def lanczos(
@@ -27,11 +28,14 @@ def lanczos(
     operator's dtype) are held to that absolute floor instead, as ARPACK does, so that
     (near-)zero eigenvalues can converge.
 
-    Repeated eigenvalues: the Krylov space of one vector holds one copy of each. When it becomes
-    invariant (the residual vanishes) before the whole space is spanned, the search goes on from
-    a random vector orthogonal to it — a fresh block, which holds one copy of each eigenvalue
-    left — until a fresh block has ``k`` vectors, or turns invariant with every eigenvalue below
-    the ``k``-th found so far.
+    Repeated eigenvalues are found by fresh blocks (``docs/curvature.md``, "Repeated
+    eigenvalues").
+
+    Example::
+
+        operator = HessianOperator(lambda: F.mse_loss(model(x), y), list(model.parameters()))
+        pairs = lanczos(operator, k=5, tol=1e-6)
+        again = lanczos(operator, k=5, warm_start=pairs.eigenvectors)  # fewer products
 
     Args:
         operator: symmetric operator (e.g. :class:`~dynamics.curvature.HessianOperator`).
@@ -100,6 +104,29 @@ def lanczos(
         residuals=residuals[top],
         n_hvp=basis.n_hvp,
         converged=converged or basis.m == n,
+    )
+
+
+def solve_lanczos(
+    problem: HessianProblem,
+    k: int,
+    tol: float,
+    *,
+    max_hvp: int,
+    previous: torch.Tensor | None,
+    basis_size: int | None,
+    seed: int,
+) -> Eigenpairs:
+    """The ``"lanczos"`` entry of the solver table: :func:`lanczos`, warm-started from
+    ``previous`` (earlier eigenvectors) when given."""
+    return lanczos(
+        problem.operator,
+        k,
+        tol,
+        max_hvp=max_hvp,
+        basis_size=basis_size,
+        warm_start=previous,
+        seed=seed,
     )
 
 

@@ -1,19 +1,6 @@
-"""Top-k eigenpairs tracked from an earlier subspace: block Rayleigh–Ritz with residual expansion.
-
-During training the top Hessian eigenvectors move little between two records, so the previous
-record's Ritz vectors are already close to the new ones. Rayleigh–Ritz on their span costs one
-product per vector; each Ritz pair whose residual ``‖H v − θ v‖`` is still too large adds its
-residual direction to the basis (unpreconditioned Davidson — a block Krylov space grown only
-where it is needed), and Rayleigh–Ritz is repeated on the larger basis. Every product of a basis
-vector is kept, so ``H v`` of each Ritz vector, and hence its residual, costs nothing more: the
-residual reported is the true one, up to rounding.
-
-A residual certifies that ``θ`` is within ``‖r‖`` of *some* eigenvalue, not that the pairs are
-the *top* k: an eigenvalue whose eigenvector is orthogonal to everything tracked is invisible
-to the residual test. A cold (random-start) Lanczos can see it; that is why the tracking solver
-restarts cold when its residuals do not converge within its budget (the spectrum changed too
-much to track). Whether tracked pairs are the top k is therefore checked outside, against a
-cold Lanczos at every record (``benchmarks/bench_hessian.py``).
+"""Top-k eigenpairs tracked from an earlier subspace: block Rayleigh–Ritz with residual expansion
+(unpreconditioned Davidson). How it works, why guards, and what its residuals certify (not that
+the pairs are the top k): ``docs/curvature.md``, "Tracking the top-k during training".
 """
 
 from __future__ import annotations
@@ -23,7 +10,13 @@ import torch
 from dynamics.curvature.eigenpairs import Eigenpairs
 from dynamics.curvature.krylov import project_off
 from dynamics.curvature.operator import LinearOperator
+from dynamics.curvature.problem import HessianProblem
 from dynamics.curvature.restarted_lanczos import lanczos
+
+#: Eigenvectors beyond the top k that the tracking solver carries along: without them the k-th
+#: pair of a cluster converges at the rate of its gap to the (k+1)-th eigenvalue, which on the
+#: teacher–student model left most records to the cold restart.
+GUARDS = 2
 
 
 def track_eigenpairs(
@@ -39,14 +32,15 @@ def track_eigenpairs(
     """The ``len(previous)`` largest eigenpairs, refined from the rows of ``previous``, of which
     the top ``k`` are held to ``tol``; the rest are guards.
 
-    Guards are what makes tracking a cluster work: the ``k``-th pair converges at a rate set
-    by its gap to the next eigenvalue *outside* the basis, so carrying approximations of the
-    next few eigenvectors along widens that gap.
-
     Stops when every one of the top ``k`` pairs has ``‖H v − θ v‖ ≤ tol·|θ|`` (the residual rule of
     :func:`~dynamics.curvature.lanczos`, with the same floor for near-zero eigenvalues). When
     the basis reaches ``max_basis`` vectors first, the tracked subspace is judged lost and a
     cold Lanczos from a random vector (``seed``) answers instead, its products counted too.
+
+    Example::
+
+        first = lanczos(operator, k=5)  # the top 3 and two guards
+        next_pairs = track_eigenpairs(later_operator, first.eigenvectors, tol=1e-4, k=3)
 
     Args:
         operator: symmetric operator.
@@ -123,6 +117,34 @@ def track_eigenpairs(
         m + cold.n_hvp,
         cold.converged,
         restarted=True,
+    )
+
+
+def solve_tracking(
+    problem: HessianProblem,
+    k: int,
+    tol: float,
+    *,
+    max_hvp: int,
+    previous: torch.Tensor | None,
+    basis_size: int | None,
+    seed: int,
+) -> Eigenpairs:
+    """The ``"tracking"`` entry of the solver table: the top ``k`` pairs and :data:`GUARDS`
+    guards (``k + GUARDS`` pairs, capped at the operator's size), refined from ``previous`` by
+    :func:`track_eigenpairs`.
+
+    ``previous`` must be the ``eigenvectors`` of an earlier tracking result (``k + GUARDS``
+    rows); without it, or with another number of rows, the solve is a cold Lanczos of
+    ``k + GUARDS`` pairs, whose vectors the next solve then tracks. ``basis_size`` is the most
+    basis vectors before a tracked solve gives up and restarts cold.
+    """
+    operator = problem.operator
+    width = min(k + GUARDS, operator.size)
+    if previous is None or len(previous) != width:
+        return lanczos(operator, width, tol, max_hvp=max_hvp, seed=seed)
+    return track_eigenpairs(
+        operator, previous, tol, k=k, max_basis=basis_size, max_hvp=max_hvp, seed=seed
     )
 
 

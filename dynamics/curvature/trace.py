@@ -33,6 +33,10 @@ def hutchinson(operator: LinearOperator, n_hvp: int = 100, *, seed: int = 0) -> 
 
     Its variance is ``2(‖H‖_F² − Σ H_ii²) / n_hvp``: fine for a diagonal-dominated Hessian, poor
     when a few large eigenvalues carry the trace — then use :func:`hutch_plus_plus`.
+
+    Example::
+
+        hutchinson(HessianOperator(loss, params), n_hvp=100).trace
     """
     if n_hvp < 2:
         raise ValueError(f"n_hvp must be at least 2 to state an error, got {n_hvp}")
@@ -46,6 +50,11 @@ def hutch_plus_plus(operator: LinearOperator, n_hvp: int = 100, *, seed: int = 0
     A third of the products sketch ``Q = orth(H S)``, a third give ``tr(Qᵀ H Q)`` exactly, and
     the last third estimate ``tr((I − QQᵀ) H (I − QQᵀ))``; the stated error is that of the
     last part, the only random one once ``Q`` is fixed.
+
+    Example::
+
+        estimate = hutch_plus_plus(HessianOperator(loss, params), n_hvp=60)
+        estimate.trace, estimate.stderr
     """
     if n_hvp < 4:
         raise ValueError(f"n_hvp must be at least 4 for Hutch++, got {n_hvp}")

@@ -2,11 +2,10 @@
 
 A :class:`LossSurface` holds one module and one in-memory batch and answers "what is the loss at
 this parameter vector?". :func:`evaluate_grid` asks it at every point θ0 + a·u + b·v of a
-:class:`~dynamics.geometry.plane.Grid`, row chunk by row chunk, optionally split across the ranks of
-a
-torch.distributed process group. :func:`trajectory` puts a run's checkpoints on a plane with the
-loss there. Core, so that both the offline ``dynamics plane`` and a probe evaluating at the end
-of fit (``GradientPlane(at_end=True)``) use the same code.
+:class:`~dynamics.geometry.plane.Grid`, row chunk by row chunk, optionally split across the
+ranks of a torch.distributed process group. :func:`trajectory` puts a run's checkpoints on a
+plane with the loss there. Core, so that both the offline ``dynamics plane`` and a probe
+evaluating at the end of fit (``GradientPlane(at_end=True)``) use the same code.
 """
 
 from __future__ import annotations
@@ -88,20 +87,16 @@ class PlaneView:
 class LossSurface:
     """The loss of a module on a fixed in-memory batch, as a function of its parameter vector.
 
-    The module is copied once and, in ``"eval"`` mode, switched to eval mode (dropout off, batch
-    norm on its running statistics); in ``"train"`` mode the copy keeps the module's flags. The
-    copy's parameters are re-pointed into one flat buffer, so moving to a new
-    parameter point is one vector write: no state dict, no per-tensor copies, no I/O. Frozen
-    parameters and buffers keep the values they had in ``module``.
+    A copy of the module (switched to eval mode in ``"eval"`` mode) whose parameters live in one
+    flat buffer, so a new point is one vector write; with ``buffers`` each point takes the
+    buffers of the run's stored state nearest to it, and a stochastic loss sees the same draws
+    at every point. Why: docs/views.md, "How a loss landscape is evaluated".
 
-    Buffers (BatchNorm running statistics) follow ``buffers``, when given: each point is
-    evaluated with those of the run's stored state nearest to it (see
-    :mod:`dynamics.geometry.nearest_buffers`).
+    Example::
 
-    A loss that draws random numbers sees the same draws at every point (the global RNG is
-    reset to a state seeded by ``seed`` before each evaluation, inside a forked RNG, so the
-    caller's streams are untouched), which keeps its landscape smooth and makes every rank of a
-    distributed evaluation agree.
+        surface = LossSurface(model, ParameterLayout.of(model), batch)
+        surface.loss(theta0)
+        heatmap = evaluate_grid(surface, plane, grid)  # (len(betas), len(alphas))
 
     Args:
         module: the model, e.g. rebuilt from a run file; it is not modified.
@@ -289,6 +284,10 @@ def evaluate_grid(
 ) -> np.ndarray:
     """The loss at every point θ0 + a·u + b·v of a grid, evaluated a chunk of rows at a time.
 
+    Example::
+
+        heatmap = evaluate_grid(LossSurface(model, layout, batch), plane, grid)
+
     Args:
         surface: the loss as a function of parameters.
         plane: the plane (origin θ0, basis u, v).
@@ -348,6 +347,11 @@ def trajectory(
     """Checkpoints θt on a plane: coordinates, the loss at θt and at its projection.
 
     Without a ``surface`` (no model to evaluate) the losses are NaN.
+
+    Example::
+
+        path = trajectory("shifted", plane, steps, thetas, surface)
+        path.a, path.b, path.loss
     """
     a, b, r = project(plane, thetas)
     if surface is None:

@@ -44,6 +44,11 @@ class CollinearGradients(DynamicsError):
 class Plane:
     """The affine plane θ0 + a·u + b·v of parameter space.
 
+    Example::
+
+        plane = plane_from_gradients(theta0, g_a, g_b)
+        plane.point(0.5, -0.2)  # θ0 + 0.5·u − 0.2·v
+
     Attributes:
         origin: θ0, a flat float64 parameter vector.
         u: first unit basis vector (the heatmap's horizontal axis, coordinate ``a``).
@@ -99,6 +104,11 @@ class Grid:
     θ0 + alphas[j]·u + betas[i]·v, the orientation image and plotly heatmaps draw with
     ``u`` horizontal.
 
+    Example::
+
+        grid = Grid(np.linspace(-1, 1, 41), np.linspace(-1, 1, 41))
+        grid.shape  # (41, 41): rows are betas, columns alphas
+
     Attributes:
         alphas: strictly increasing coordinates along ``u``, at least 2.
         betas: strictly increasing coordinates along ``v``, at least 2.
@@ -134,6 +144,10 @@ def plane_from_gradients(theta0: ArrayLike, g_a: ArrayLike, g_b: ArrayLike) -> P
     """The plane through θ0 spanned by two initial gradients (the paper's Fig. 3 plane).
 
     u = g_a/‖g_a‖ and v is g_b Gram–Schmidt-orthogonalized against u, then normalized.
+
+    Example::
+
+        plane = plane_from_gradients(run_a.vector("theta0"), run_a.vector("g0"), run_b.vector("g0"))
 
     Args:
         theta0: the shared initial parameters.
@@ -174,6 +188,10 @@ def plane_from_gradient_and_endpoints(
     For two runs whose initial gradients coincide: u = g/‖g‖ and v is θT_b − θT_a
     Gram–Schmidt-orthogonalized against u, then normalized, so the plane still separates where
     the two runs went.
+
+    Example::
+
+        plane = plane_from_gradient_and_endpoints(theta0, g_a, theta_final_a, theta_final_b)
 
     Args:
         theta0: the shared initial parameters.
@@ -222,6 +240,10 @@ def random_filter_normalized_plane(theta0: ArrayLike, layout: ParameterLayout, s
     the (a, b) coordinates of d1 and d2, so Li et al.'s coordinates (α, β), meaning
     θ0 + α·d1 + β·d2, are ``(a, b) = α·coords[0] + β·coords[1]``.
 
+    Example::
+
+        plane = random_filter_normalized_plane(theta0, ParameterLayout.of(model), seed=0)
+
     Args:
         theta0: the parameters the plane passes through and whose filter norms scale it.
         layout: the layout of ``theta0``.
@@ -263,6 +285,10 @@ def pca_plane(theta0: ArrayLike, snapshots: ArrayLike) -> Plane:
     scikit-learn's PCA is fitted to the displacements θt − θ0 (it centers them, as in Li et
     al. 2018's trajectory plots). Signs are chosen so that the last snapshot has a ≥ 0 and
     b ≥ 0.
+
+    Example::
+
+        plane = pca_plane(run.vector("theta0"), np.stack([s.theta for s in run.stored_states()]))
 
     Args:
         theta0: the run's initial parameters.
@@ -312,6 +338,11 @@ def project(plane: Plane, thetas: ArrayLike) -> tuple[np.ndarray, np.ndarray, np
     in float64, so a² + b² + r² = ‖d‖² to rounding. Rows are converted one at a time, so an
     h5py dataset of snapshots is read row by row instead of whole.
 
+    Example::
+
+        a, b, r = project(plane, snapshots)  # one row per θt
+        in_plane_shares(a, b, r)
+
     Args:
         plane: the plane.
         thetas: one flat parameter vector, or a sequence of them (array of shape ``(T, n)``,
@@ -340,7 +371,12 @@ def project(plane: Plane, thetas: ArrayLike) -> tuple[np.ndarray, np.ndarray, np
 
 def in_plane_shares(a: ArrayLike, b: ArrayLike, r: ArrayLike) -> np.ndarray:
     """The share (a² + b²)/(a² + b² + r²) of each displacement inside the plane, from the
-    coordinates :func:`project` gives; NaN where θ = θ0."""
+    coordinates :func:`project` gives; NaN where θ = θ0.
+
+    Example::
+
+        shares = in_plane_shares(*project(plane, snapshots))  # (a² + b²) / ‖θt − θ0‖² per θt
+    """
     a, b, r = (np.asarray(x, dtype=np.float64) for x in (a, b, r))
     inside = a * a + b * b
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -353,6 +389,10 @@ def out_of_plane_view(plane: Plane, theta_final: ArrayLike) -> tuple[Plane, floa
     With d = θT − θ0, p̂ is the normalized projection of d onto ``plane`` and w the
     normalized component of d orthogonal to it (Gram–Schmidt against u and v). The new plane
     (p̂, w) through the same θ0 contains θT exactly.
+
+    Example::
+
+        view, share = out_of_plane_view(plane, theta_final)  # share of ‖θT − θ0‖² in plane
 
     Args:
         plane: the initial plane (usually the initial-gradient plane).
@@ -402,6 +442,10 @@ def covering_grid(
     Each axis spans the range of the coordinates on it (including the origin, 0) widened by
     ``margin`` times that range on both sides. An axis along which nothing moves gets the
     other axis's range, centered on its value.
+
+    Example::
+
+        grid = covering_grid([(a, b), (a2, b2)], num_alphas=41, num_betas=41)
 
     Args:
         trajectories: ``(a, b)`` coordinate arrays, e.g. the first two outputs of

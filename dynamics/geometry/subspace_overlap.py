@@ -17,6 +17,10 @@ def subspace_overlap(a: Any, b: Any) -> float:
     subspace (whatever basis each uses), 0 for orthogonal ones, ``k/n`` on average for random
     ones. For one vector each it is ``cos²`` of the angle between them.
 
+    Example::
+
+        subspace_overlap(vectors_s, vectors_t)  # 1: the same span; 0: orthogonal spans
+
     Raises:
         ValueError: if the shapes differ or are not two-dimensional.
     """
@@ -28,7 +32,12 @@ def subspace_overlap(a: Any, b: Any) -> float:
 
 def update_share(update: Any, basis: Any) -> float:
     """``‖B u‖² / ‖u‖²``: the share of the squared length of ``update`` inside the span of the
-    orthonormal rows ``basis``; NaN for a zero update (no direction to share)."""
+    orthonormal rows ``basis``; NaN for a zero update (no direction to share).
+
+    Example::
+
+        update_share(theta_t1 - theta_t, eigenvectors)  # share of ‖Δθ‖² inside their span
+    """
     u = _float64(update)
     if u.shape[-1] != basis.shape[-1]:
         raise ValueError(f"update has length {u.shape[-1]}, basis rows {basis.shape[-1]}")

@@ -27,6 +27,12 @@ from dynamics.store import Run, RunFileError, StoredState, names
 def load_into(run: Run, model: nn.Module, step: int | None = None) -> StoredState:
     """Load a stored state into ``model`` in place: its parameters and buffers.
 
+    Example::
+
+        model = MyModule(**run.attrs["module"]["init_args"])
+        state = load_into(run, model, step=500)  # the stored state nearest step 500
+        state.step
+
     Args:
         model: a module of the run's parameter layout (its own instance, or
             :func:`~dynamics.model.rebuild.rebuild_module`'s).

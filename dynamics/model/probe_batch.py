@@ -19,6 +19,11 @@ def probe_batch(run: Run) -> Any:
     A file from before the structure was stored gives its tensors as a tuple (one tensor
     alone when there is one).
 
+    Example::
+
+        batch = probe_batch(run)  # as the module's training_step took it
+        loss = module_loss(rebuild_module(run), batch)
+
     Raises:
         DynamicsError: the run stores no probe batch, or one that cannot be rebuilt.
     """

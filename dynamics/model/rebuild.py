@@ -73,6 +73,11 @@ class RunInitArgs:
     for all would rebuild a run trained with other args (another label smoothing) as another
     loss, silently. The shared args still override recorded ones, and are all a factory gets
     besides the run's own.
+
+    Example::
+
+        init_args = RunInitArgs(shared={"width": 64}, by_run={"a.h5": {"label_smoothing": 0.1}})
+        model_a = rebuild_module(open_run("a.h5"), init_args=init_args.for_runs(["a.h5", "b.h5"]))
     """
 
     shared: Mapping[str, Any] = field(default_factory=dict)
@@ -134,6 +139,11 @@ def rebuild_module(
     trust_recorded_model: bool = False,
 ) -> nn.Module:
     """The run's model at θ0, with θ0's buffers.
+
+    Example::
+
+        model = rebuild_module(open_run("runs/demo/shifted.h5"))  # at θ0, with θ0's buffers
+        model = rebuild_module(run, model="train.py:MyNet", init_args={"width": 64})
 
     Args:
         run: the run file.
@@ -214,6 +224,10 @@ def _missing_init_args(
 def build_module(model: str, init_args: Mapping[str, Any] | None = None) -> nn.Module:
     """The module that the class or factory ``model`` (``pkg.module:name`` or
     ``path/to/file.py:name``, as :func:`rebuild_module`'s ``model``) builds from ``init_args``.
+
+    Example::
+
+        build_module("pkg.models:MyNet", {"width": 64})
 
     Raises:
         DynamicsError: it cannot be imported or called, or returns no ``torch.nn.Module``.

@@ -12,7 +12,14 @@ from fnmatch import fnmatchcase
 
 
 def glob_match(name: str, pattern: str) -> bool:
-    """Whether a dotted module name matches a pattern segment by segment (``**``: any depth)."""
+    """Whether a dotted module name matches a pattern segment by segment (``**``: any depth).
+
+    Example::
+
+        glob_match("blocks.0", "blocks.*")  # True
+        glob_match("blocks.0.fc", "blocks.*")  # False: * is one segment
+        glob_match("blocks.0.fc", "blocks.**")  # True
+    """
     parts = name.split(".")
     # The name prefixes (by segment count) the pattern's segments so far can match.
     reachable = {0}

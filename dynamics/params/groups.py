@@ -32,6 +32,11 @@ OTHER = "other"
 class ParameterGroups:
     """Group names and, per trainable parameter (in ``named_parameters`` order), its group.
 
+    Example::
+
+        groups = group_parameters(model, "layer")
+        groups.names, groups.members(groups.names[0])
+
     Attributes:
         names: the groups that hold at least one parameter, in a stable order.
         parameters: the trainable parameters' names.
@@ -50,7 +55,12 @@ class ParameterGroups:
 
 def is_bias(name: str) -> bool:
     """Whether a parameter's own name names a bias: ``bias``, ``bias_*`` (LSTM/GRU
-    ``bias_ih_l0``, attention's ``bias_k``) or ``*_bias`` (attention's ``in_proj_bias``)."""
+    ``bias_ih_l0``, attention's ``bias_k``) or ``*_bias`` (attention's ``in_proj_bias``).
+
+    Example::
+
+        is_bias("bias"), is_bias("bias_ih_l0"), is_bias("weight")  # True, True, False
+    """
     return name == "bias" or name.startswith("bias_") or name.endswith("_bias")
 
 
@@ -65,6 +75,12 @@ def group_parameters(
     module: nn.Module, groups: Grouping | Mapping[str, Sequence[str]] = "kind"
 ) -> ParameterGroups:
     """The groups of ``module``'s trainable parameters.
+
+    Example::
+
+        groups = group_parameters(model)  # bias, weight, normalization
+        groups.members("bias")
+        group_parameters(model, {"attn": ["**.attn.**"]}).names  # "attn", and "other" for the rest
 
     Args:
         module: the model.

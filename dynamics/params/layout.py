@@ -23,7 +23,13 @@ from dynamics.params.naming import named_parameters, unwrapped_name
 
 @dataclass(frozen=True)
 class ParameterLayout:
-    """Names and shapes of the trainable parameters, in flattening order."""
+    """Names and shapes of the trainable parameters, in flattening order.
+
+    Example::
+
+        layout = ParameterLayout.of(model)  # trainable parameters, in named_parameters order
+        layout.size, layout.names[0]
+    """
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]

@@ -16,7 +16,12 @@ from dynamics.params.naming import named_parameters
 
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Concatenate tensors into one detached flat vector (a copy), half precision as exact
-    float32 (:func:`storable`): differences of half-precision vectors would be rounded to it."""
+    float32 (:func:`storable`): differences of half-precision vectors would be rounded to it.
+
+    Example::
+
+        g = flatten(torch.autograd.grad(loss, params))
+    """
     return storable(torch.cat([t.detach().reshape(-1) for t in tensors]))
 
 
@@ -27,14 +32,24 @@ def storable(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def parameter_vector(module: nn.Module, layout: ParameterLayout | None = None) -> torch.Tensor:
-    """A detached flat copy of ``module``'s trainable parameters."""
+    """A detached flat copy of ``module``'s trainable parameters.
+
+    Example::
+
+        theta = parameter_vector(model)  # float32 for half-precision parameters
+    """
     layout = layout or ParameterLayout.of(module)
     return flatten(layout.parameters(module))
 
 
 @torch.no_grad()
 def load_vector(module: nn.Module, vector: torch.Tensor, layout: ParameterLayout) -> None:
-    """Copy a flat ``vector`` into ``module``'s parameters in place."""
+    """Copy a flat ``vector`` into ``module``'s parameters in place.
+
+    Example::
+
+        load_vector(model, theta0, ParameterLayout.of(model))
+    """
     for p, chunk in zip(layout.parameters(module), layout.split(vector)):
         p.copy_(chunk)
 
@@ -58,7 +73,12 @@ def load_state(
 
 
 def vector_hash(vector: torch.Tensor | np.ndarray) -> str:
-    """SHA-256 of a vector's float32 little-endian bytes: equal hashes mean bit-equal θ0."""
+    """SHA-256 of a vector's float32 little-endian bytes: equal hashes mean bit-equal θ0.
+
+    Example::
+
+        vector_hash(parameter_vector(model)) == run.theta0_sha256  # a model at θ0
+    """
     # Through float32 in torch: numpy has no bfloat16.
     array = vector.detach().float().cpu().numpy() if isinstance(vector, torch.Tensor) else vector
     return hashlib.sha256(np.ascontiguousarray(array, dtype="<f4").tobytes()).hexdigest()

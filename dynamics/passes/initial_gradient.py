@@ -19,17 +19,19 @@ def initial_gradient(
     """∇L(θ) on ``batch`` as a flat vector, leaving the module, RNG and ``.grad`` as they were.
 
     The loss is found by :func:`~dynamics.passes.loss_rule.module_loss`. Under an initialized
-    process
-    group every rank must call this; the result is the average of the ranks' gradients, as
-    data-parallel training would apply.
+    process group every rank must call this; the result is the average of the ranks' gradients,
+    as data-parallel training would apply.
+
+    Example::
+
+        g0 = initial_gradient(module, batch, ParameterLayout.of(module))
 
     Args:
         module: the model.
         batch: the batch the loss is taken on, on the module's device.
         layout: the parameters differentiated, and the order of the result.
-        mode: the :data:`~dynamics.passes.isolation.Mode` the module runs in; by default ``"eval"``,
-        the
-            mode in which loss landscapes on the plane of such gradients are drawn.
+        mode: the :data:`~dynamics.passes.isolation.Mode` the module runs in; by default
+            ``"eval"``, the mode in which loss landscapes on the plane of such gradients are drawn.
 
     Raises:
         ~dynamics.passes.loss_rule.LossUnavailable: if the loss rule finds no loss for the module.

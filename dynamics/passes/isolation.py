@@ -56,6 +56,12 @@ def side_effect_free(module: nn.Module, mode: Mode = "train") -> Iterator[None]:
     with the same values). Extra passes should still use :func:`torch.autograd.grad`, never
     ``.backward()``, so that nothing is accumulated in the first place.
 
+    Example::
+
+        with side_effect_free(module, "eval"):
+            g = torch.autograd.grad(module_loss(module, batch), params)
+        # RNG, buffers, train/eval flags and .grad are as they were
+
     Args:
         module: the module whose state the pass may touch (normally the whole model).
         mode: the :data:`Mode` the pass runs the module in; the flags are saved before it is

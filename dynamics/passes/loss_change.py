@@ -98,6 +98,14 @@ def split_loss_change(
 ) -> LossChange:
     """Split L(end) − L(start) into one term per group by integrating the gradient.
 
+    Example::
+
+        def loss(tensors):
+            return loss_at(module, dict(zip(names, tensors)), batch)
+
+        split = split_loss_change(loss, before, after, groups.index)
+        split.terms, split.delta, split.residual, split.converged
+
     Args:
         loss: the loss at given parameter tensors (a scalar tensor, differentiable in them).
             Called with tensors of ``start``'s dtype; pass float64 tensors to resolve a small

@@ -51,6 +51,10 @@ def loss_source(module: nn.Module) -> LossSource:
 def module_loss(module: nn.Module, batch: Any, batch_idx: int = 0) -> torch.Tensor:
     """The scalar training loss of ``module`` on ``batch``, by the rule above.
 
+    Example::
+
+        loss = module_loss(module, batch)  # dynamics_loss(batch), else training_step's loss
+
     Raises:
         LossUnavailable: if :func:`loss_source` finds no loss the rule may take.
         TypeError: if the loss found is not a scalar tensor (from ``training_step``: neither a
@@ -89,6 +93,11 @@ def loss_at(module: nn.Module, tensors: Mapping[str, torch.Tensor], batch: Any) 
     """:func:`module_loss` with some of ``module``'s parameters and buffers replaced, by name,
     by ``tensors`` (:func:`torch.func.functional_call`): the loss as a function of them, for
     extra passes that differentiate it or move along a direction without touching the module.
+
+    Example::
+
+        tensors = dict(zip(layout.names, layout.split(theta)))
+        loss = loss_at(module, tensors, batch)  # the module's own parameters untouched
     """
     prefixed = {f"module.{name}": tensor for name, tensor in tensors.items()}
     return functional_call(_LossOf(module), prefixed, (batch,))

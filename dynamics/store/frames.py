@@ -1,8 +1,8 @@
 """Recorded series as pandas tables and labelled xarray arrays, for notebooks.
 
-pandas and xarray are optional (``pip install 'dynamics[notebook]'``): they are imported when a
-table or an array is asked for, never by the rest of the toolkit, so ``dynamics info`` and the
-reports start without them.
+pandas and xarray are optional (``pip install 'dynamics-for-pytorch[notebook]'``): they are
+imported when a table or an array is asked for, never by the rest of the toolkit, so ``dynamics
+info`` and the reports start without them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ STANDARD_AXES: dict[tuple[str, str], tuple[str, ...]] = {
 #: Groups :meth:`Run.to_xarray` leaves out unless named: parameter snapshots can hold gigabytes.
 UNREAD_BY_DEFAULT = (names.SNAPSHOTS,)
 
-_INSTALL = "pip install 'dynamics[notebook]'"
+_INSTALL = "pip install 'dynamics-for-pytorch[notebook]'"
 
 
 def default_columns(name: str, width: int) -> tuple[str, ...]:

@@ -53,6 +53,11 @@ if TYPE_CHECKING:
 class Series:
     """One group of rows sharing a step index.
 
+    Example::
+
+        norms = dynamics.open_run("run.h5").series("hidden_norms")
+        norms.step[-1], norms["norm"][-1]  # the last row, one value per layer
+
     Attributes:
         step: optimizer steps, strictly increasing, shape (n,).
         values: ``{name: array of shape (n, *row_shape)}``.
@@ -73,7 +78,7 @@ class Series:
     def __getitem__(self, name: str) -> np.ndarray:
         return self.values[name]
 
-    # --- pandas and xarray (optional: pip install 'dynamics[notebook]') ---
+    # --- pandas and xarray (optional: pip install 'dynamics-for-pytorch[notebook]') ---
 
     def to_pandas(self, long: bool = False) -> pd.DataFrame:
         """The rows as a pandas DataFrame.
@@ -87,6 +92,11 @@ class Series:
 
         Long (``long=True``): one row per value, columns ``step``, ``series``, ``column``,
         ``value`` (for plotly express, seaborn, groupby).
+
+        Example::
+
+            frame = run.series("hidden_norms").to_pandas()
+            frame["norm"].tail()  # steps × layers
 
         Raises:
             DynamicsError: pandas is not installed.
@@ -103,6 +113,11 @@ class Series:
         names as coordinates; a drawn series carries its label and units as ``long_name`` and
         ``units``, so ``dataset["norm"].plot.line(x="step")`` labels itself.
 
+        Example::
+
+            dataset = run.series("hidden_norms").to_xarray()
+            dataset["norm"].sel(layer="blocks.0")
+
         Raises:
             DynamicsError: xarray is not installed.
         """
@@ -112,6 +127,10 @@ class Series:
 @dataclass(frozen=True)
 class Event:
     """Something a probe reported during the run.
+
+    Example::
+
+        [event.message for event in run.events() if event.kind == "disabled"]
 
     Attributes:
         step: the optimizer step it happened at.
@@ -130,6 +149,11 @@ class Event:
 @dataclass(frozen=True)
 class RunStatus:
     """How far a run got and how it ended.
+
+    Example::
+
+        status = run.status()
+        status.state in ("running", "finished", "crashed", "killed")
 
     Attributes:
         state: ``"running"``, ``"finished"``, ``"crashed"``, ``"killed"`` (the file says
@@ -158,6 +182,11 @@ class RunStatus:
 class Metric:
     """One value per recorded step (a loss, a logged validation metric).
 
+    Example::
+
+        loss = run.train_loss()
+        loss.name, loss.step[-1], loss.values[-1]
+
     Attributes:
         name: the series' name in its group (``train``, ``val_loss``, ...).
         step: optimizer steps, shape (n,).
@@ -172,6 +201,11 @@ class Metric:
 @dataclass(frozen=True)
 class StoredState:
     """One state of the model a run stored: its parameters and, when recorded, its buffers.
+
+    Example::
+
+        state = run.stored_states()[-1]  # θT
+        state.step, state.source, state.theta.shape
 
     Attributes:
         step: optimizer steps taken before it (θ0: 0; θT: the run's steps).
@@ -196,7 +230,14 @@ class _Declared(NamedTuple):
 
 
 class Run:
-    """A run file's metadata, series, vectors, events and status; see :func:`open_run`."""
+    """A run file's metadata, series, vectors, events and status; see :func:`open_run`.
+
+    Example::
+
+        run = dynamics.open_run("runs/demo/shifted.h5")
+        norms = run.series("hidden_norms")  # steps × layers, with norms.columns["norm"]
+        theta0 = run.vector("theta0")
+    """
 
     def __init__(
         self,
@@ -249,6 +290,10 @@ class Run:
 
     def stored_states(self) -> list[StoredState]:
         """θ0, every parameter snapshot and θT (those stored), in step order.
+
+        Example::
+
+            [state.step for state in run.stored_states()]  # θ0, the snapshots, θT
 
         Raises:
             RunFileError: the run stores no θ0 (record with ParameterDisplacement).
@@ -353,6 +398,11 @@ class Run:
     def series(self, group: str) -> Series:
         """Every row of ``group`` (read once, then cached).
 
+        Example::
+
+            norms = run.series("hidden_norms")
+            norms.step, norms["norm"], norms.columns["norm"]
+
         Raises:
             KeyError: the run has no such group.
             RunFileError: its data cannot be read (a damaged file).
@@ -371,6 +421,12 @@ class Run:
     def recorded(self, group: str) -> Series | None:
         """The rows of ``group``, or None when it was not recorded or holds no row.
 
+        Example::
+
+            hessian = run.recorded("hessian")
+            if hessian is not None:
+                print(hessian["eigenvalues"][-1])
+
         Raises:
             RunFileError: the group's data cannot be read (a damaged file).
         """
@@ -385,6 +441,10 @@ class Run:
         A file written before series stored their views gets the standard probes' views. The
         standard series come in the order of :data:`dynamics.store.views.STANDARD_VIEWS` (HDF5
         lists a group's series by name), the others after them.
+
+        Example::
+
+            run.views("hessian")["eigenvalues"].kind  # "lines"
         """
         views = {n: d.view for n, d in self._declared.get(group, {}).items() if d.view}
         standard = STANDARD_VIEWS.get(group, {})
@@ -403,14 +463,25 @@ class Run:
         return frames.default_columns(name, declared.shape[-1] if declared.shape else 1)
 
     def train_loss(self) -> Metric | None:
-        """The training loss (group ``loss``, series ``train``), or None when not recorded."""
+        """The training loss (group ``loss``, series ``train``), or None when not recorded.
+
+        Example::
+
+            loss = run.train_loss()
+            loss.step, loss.values
+        """
         rows = self.recorded(names.LOSS)
         if rows is None or names.LOSS_TRAIN not in rows.values:
             return None
         return Metric(names.LOSS_TRAIN, rows.step, rows[names.LOSS_TRAIN])
 
     def validation_metrics(self) -> dict[str, Metric]:
-        """Every metric logged during validation, ``{key: Metric}``; empty when none was."""
+        """Every metric logged during validation, ``{key: Metric}``; empty when none was.
+
+        Example::
+
+            {key: metric.values[-1] for key, metric in run.validation_metrics().items()}
+        """
         rows = self.recorded(names.VALIDATION)
         if rows is None:
             return {}
@@ -421,6 +492,10 @@ class Run:
 
         It is the validation metric ``val_loss`` (what the teacher–student module logs), else
         the first whose name contains ``loss``: a module's own logging names vary.
+
+        Example::
+
+            heldout = run.heldout_loss()  # None when the run validated nothing
         """
         metrics = self.validation_metrics()
         keys = [k for k in metrics if k == names.VAL_LOSS] or [k for k in metrics if "loss" in k]
@@ -428,6 +503,10 @@ class Run:
 
     def vector(self, name: str) -> np.ndarray | None:
         """A stored vector, or None when it is absent or was never filled (NaN).
+
+        Example::
+
+            theta0, theta_final = run.vector("theta0"), run.vector("theta_final")
 
         Raises:
             RunFileError: the vector is damaged: a parameter vector (θ0, θT, g0, the plane's
@@ -456,6 +535,11 @@ class Run:
         """What probes reported (disabled, failed, warned), in the order it happened.
 
         Read anew at each call, so a live run's latest events show.
+
+        Example::
+
+            for event in run.events():
+                print(event.step, event.probe, event.kind, event.message)
         """
         read = _read(self.path, names.EVENTS, lambda file: _event_fields(file, self.path))
         if read is None:
@@ -470,7 +554,13 @@ class Run:
         ]
 
     def status(self) -> RunStatus:
-        """The run's state, last flushed step and wall time, read anew at each call."""
+        """The run's state, last flushed step and wall time, read anew at each call.
+
+        Example::
+
+            status = run.status()
+            status.state, status.last_step, status.wall_time_s
+        """
         fields = _read(self.path, names.STATUS, lambda file: _status_fields(file, self.path))
         if fields is None:
             return RunStatus(names.UNKNOWN)
@@ -491,7 +581,12 @@ class Run:
 
     def summary(self) -> dict[str, Any]:
         """Series lengths, step ranges, status, events and metadata, as ``dynamics info``
-        prints them."""
+        prints them.
+
+        Example::
+
+            run.summary()["series"]["loss"]["rows"]
+        """
         series = {}
 
         # Only each group's step index and extents are read, and each vector's first entry: a
@@ -532,11 +627,16 @@ class Run:
             },
         }
 
-    # --- xarray (optional: pip install 'dynamics[notebook]') ---
+    # --- xarray (optional: pip install 'dynamics-for-pytorch[notebook]') ---
 
     def to_xarray(self, groups: list[str] | None = None) -> xr.DataTree:
         """The run's series as an xarray DataTree: one node per group, each the Dataset of
         :meth:`Series.to_xarray` (groups have their own ``step`` index).
+
+        Example::
+
+            tree = run.to_xarray()  # needs the notebook extra
+            tree["hessian"]["eigenvalues"].sel(eigen_index="lambda_1")
 
         Args:
             groups: the groups to read; default every group but the parameter snapshots,
@@ -556,6 +656,11 @@ def open_run(path: str | os.PathLike) -> Run:
     A file still being created (modified within the last second) gets a short retry: its
     writer may be between two of HDF5's writes.
 
+    Example::
+
+        run = dynamics.open_run("runs/demo/shifted.h5")
+        run.status().state, run.train_loss().values[-1]
+
     Raises:
         RunFileError: the path is missing or a directory, is not an HDF5 run file, is
             truncated or corrupted, carries a newer schema version than this dynamics reads,
@@ -574,6 +679,11 @@ def run_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
 
     A directory's other outputs of this toolkit (``dynamics plane``'s ``X.plane.h5`` grids,
     written beside the runs) are not runs and are left out.
+
+    Example::
+
+        for path in run_files(["runs/demo"]):  # a folder stands for its run files
+            print(path, open_run(path).status().state)
 
     Raises:
         RunFileError: a directory holding no ``.h5`` file.

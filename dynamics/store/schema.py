@@ -75,6 +75,11 @@ VIEW_KINDS = ("scalar", "lines", "panels", "heatmap")
 class View:
     """How a series is drawn, stored with it so a report draws any probe's series unchanged.
 
+    Example::
+
+        view = View("lines", "Weight norm per tensor", "‖W‖", log_y=True)
+        SeriesSpec((n_tensors,), columns=names, view=view)
+
     Attributes:
         kind: ``"scalar"`` (one value per step: one line), ``"lines"`` (one line per column,
             overlaid), ``"panels"`` (one small panel per column, e.g. per layer) or
@@ -110,6 +115,11 @@ class SeriesSpec:
     how it is drawn (None: not drawn, e.g. parameter snapshots).
 
     ``dtype`` is a NumPy dtype name or ``"bfloat16"`` (stored as bits, read back as float32).
+
+    Example::
+
+        SeriesSpec((n_layers,), columns=layer_names, view=View("panels", "Norm per layer", "‖h‖"))
+        SeriesSpec(())  # one float32 value per row
     """
 
     shape: tuple[int, ...] = ()
@@ -128,7 +138,15 @@ class SeriesSpec:
 
 
 class RunFileError(DynamicsError):
-    """A file that cannot be used as a run file; the message is one line for the user."""
+    """A file that cannot be used as a run file; the message is one line for the user.
+
+    Example::
+
+        try:
+            dynamics.open_run("notes.txt")
+        except RunFileError as error:
+            print(error)  # one line naming the file and what is wrong
+    """
 
 
 #: The type each root attribute decodes to, when present (structured ones are JSON text).
