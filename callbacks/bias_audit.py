@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dynamics.bias.audit import DEFAULT_DRAWS, audit_batch
 from dynamics.bias.audit_result import SETTINGS_KEY
+from dynamics.bias.auditing import DEFAULT_DRAWS, audit_batch
 from dynamics.callbacks.probe import Probe, ProbeUnavailable
 from dynamics.callbacks.probe_loss import uncompiled
 from dynamics.errors import DynamicsError, one_line
@@ -15,10 +15,10 @@ if TYPE_CHECKING:
 
 
 class BiasAudit(Probe):
-    """:func:`dynamics.bias.audit` of the module at θ0, stored with the probe's settings.
+    """:func:`dynamics.bias.auditing` of the module at θ0, stored with the probe's settings.
 
     At the first training batch, the input the loss rule's pass on that batch gives the
-    module's network is the example input (:func:`dynamics.bias.audit.audit_batch`): the audit
+    module's network is the example input (:func:`dynamics.bias.auditing.audit_batch`): the audit
     traces the data flow on it, measures the activations' mean output and checks the origin.
     Where the batch gives no such input (a forward with several arguments, a network split in
     parts), the audit counts parameters in registration order and the run file says why.

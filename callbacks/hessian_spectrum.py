@@ -322,7 +322,7 @@ def _certified_solver(name: str) -> Solver:
         raise ParameterError(
             "solver",
             f"{name!r} reports no residuals, which every row stores; use it through "
-            "dynamics.curvature.top_eigenvalues",
+            "dynamics.curvature.top",
         )
     return entry
 

@@ -17,8 +17,13 @@ def lazy_exports(
 
     Example::
 
-        __all__, __getattr__, __dir__ = lazy_exports(__name__, {"audit": "dynamics.bias.audit"})
+        __all__, __getattr__, __dir__ = lazy_exports(__name__, {"audit": "dynamics.bias.auditing"})
     """
+    # A submodule of the name would win: importing it sets the package's attribute to the
+    # module, and __getattr__ is asked only for attributes that are missing.
+    shadowed = [n for n, home in homes.items() if home.rsplit(".", 1)[-1] == n]
+    if shadowed:
+        raise ImportError(f"{package}: {shadowed} would be shadowed by submodules of that name")
     names = sorted(homes)
 
     def __getattr__(name: str) -> Any:

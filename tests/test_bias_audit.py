@@ -1,4 +1,4 @@
-"""dynamics.bias.audit against counts, closed forms and direct evaluation on small models."""
+"""dynamics.bias.auditing against counts, closed forms and direct evaluation on small models."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynamics.bias import AuditResult, audit
-from dynamics.bias.audit import audit_batch, forward_input
+from dynamics.bias.auditing import audit_batch, forward_input
 from dynamics.errors import DynamicsError
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dynamics import open_run
 from dynamics.analysis.bias_audit import recorded_audit
 from dynamics.bias import audit
-from dynamics.bias.audit import audit_batch
+from dynamics.bias.auditing import audit_batch
 from dynamics.callbacks import (
     BiasAudit,
     DynamicsRecorder,

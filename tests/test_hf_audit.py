@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from dynamics import open_run
 from dynamics.analysis.bias_audit import recorded_audit
-from dynamics.bias.audit import audit
+from dynamics.bias.auditing import audit
 from dynamics.callbacks import BiasAudit, DynamicsRecorder
 from dynamics.cli import main
 from dynamics.params.batch_tree import ForwardArguments

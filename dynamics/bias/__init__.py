@@ -7,7 +7,7 @@ torch-free, so that a report of a recorded audit never imports torch.
 from dynamics.exports import lazy_exports
 
 _HOMES = {
-    "audit": "dynamics.bias.audit",
+    "audit": "dynamics.bias.auditing",
     "BiasSet": "dynamics.bias.init",
     "init_biases": "dynamics.bias.init",
     "ShiftRow": "dynamics.bias.shift",

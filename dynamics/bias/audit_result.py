@@ -1,4 +1,5 @@
-"""The bias audit's result (:func:`dynamics.bias.audit`): dataclasses, their rendering as lines and
+"""The bias audit's result (:func:`dynamics.bias.auditing`): dataclasses, their rendering as lines
+and
 tables, and their JSON form.
 
 Torch-free, so that ``dynamics report`` shows an audit a run recorded without importing torch.
@@ -105,7 +106,7 @@ class Activation:
 
 @dataclass(frozen=True)
 class AuditResult:
-    """What :func:`dynamics.bias.audit` found; ``lines()`` and ``tables()`` render it,
+    """What :func:`dynamics.bias.auditing` found; ``lines()`` and ``tables()`` render it,
     ``to_dict()`` gives it as JSON and ``from_dict()`` takes it back.
 
     Example::

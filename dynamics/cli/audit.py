@@ -77,7 +77,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     """Audit a class, or a run's model at θ0 (its recorded audit when it has one)."""
     from dynamics.analysis.bias_audit import recorded_audit
-    from dynamics.bias.audit import audit, audit_batch
+    from dynamics.bias.auditing import audit, audit_batch
     from dynamics.model.probe_batch import probe_batch
     from dynamics.model.rebuild import build_module, rebuild_module
     from dynamics.store import names, open_run
@@ -144,7 +144,7 @@ def _example_input(args: argparse.Namespace, model: Any, shape: tuple[int, ...] 
     and the note that says where it came from."""
     import torch
 
-    from dynamics.bias.audit import token_embedding
+    from dynamics.bias.auditing import token_embedding
 
     if args.input_json is not None:
         return _json_input(args.input_json, model)

@@ -27,7 +27,7 @@ _HOMES = {
     "Solver": "dynamics.curvature.solvers",
     "solver": "dynamics.curvature.solvers",
     "track_eigenpairs": "dynamics.curvature.subspace_tracking",
-    "top_eigenvalues": "dynamics.curvature.top_eigenvalues",
+    "top_eigenvalues": "dynamics.curvature.top",
     "TraceEstimate": "dynamics.curvature.trace",
     "hutch_plus_plus": "dynamics.curvature.trace",
     "hutchinson": "dynamics.curvature.trace",
