@@ -16,7 +16,7 @@ import warnings
 
 from torch import nn
 
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 from dynamics.model.record import builds_in_configure_model
 from dynamics.params.layout import BufferLayout
 from dynamics.params.naming import named_submodules
@@ -94,12 +94,12 @@ def check_frozen_parameters(run: Run, model: nn.Module) -> None:
     """
     recorded = run.attrs.get(names.ATTR_FROZEN_SHA256)
     if recorded is not None and frozen_hash(model) != recorded:
+        factory = ParameterError("model", "a factory that does")
         raise DynamicsError(
             f"{run.path.name}: the model's frozen parameters (requires_grad=False) are not "
             "the run's, which the run file holds only as a hash; build the model so that "
-            "it has them (the same pretrained weights or seed), or pass --model a factory "
-            "that does"
-        )
+            f"it has them (the same pretrained weights or seed), or pass {factory}"
+        ).quoting(factory)
 
 
 def submodule_differences(run: Run, model: nn.Module) -> str:

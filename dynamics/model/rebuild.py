@@ -54,7 +54,7 @@ from torch import nn
 
 from dynamics.bias.activations import ShiftedActivation
 from dynamics.bias.shift import shift_activations
-from dynamics.errors import DynamicsError, one_line
+from dynamics.errors import DynamicsError, ParameterError, one_line
 from dynamics.model.loading import check_frozen_parameters, submodule_differences
 from dynamics.model.record import builds_in_configure_model, init_parameters
 from dynamics.params.layout import ParameterLayout
@@ -114,7 +114,7 @@ class RunInitArgs:
         """These args for rebuilding the runs ``paths``, each key checked to name one of them.
 
         Raises:
-            DynamicsError: a key names none of the runs.
+            ParameterError: (of ``init_args``) a key names none of the runs.
         """
         resolved = {Path(p).resolve(): Path(p) for p in paths}
         by_run = {}
@@ -122,7 +122,7 @@ class RunInitArgs:
             path = Path(key).resolve()
             if path not in resolved:
                 given = ", ".join(str(p) for p in resolved.values())
-                raise DynamicsError(f"--init-args {key}=: not one of the runs given ({given})")
+                raise ParameterError("init_args", f"{key}=: not one of the runs given ({given})")
             by_run[str(path)] = args
         return RunInitArgs(self.shared, by_run, several=len(resolved) > 1)
 
@@ -231,23 +231,24 @@ def _missing_init_args(
     if init_args.several:
         shared = sorted(set(missing) & set(init_args.shared))
         why = (
-            f"; one --init-args for several runs cannot say {', '.join(shared)} had the same "
-            "value in each"
+            f"; args shared by several runs cannot say {', '.join(shared)} had the same value "
+            "in each"
             if shared
             else ", and may differ between the runs"
         )
-        return MissingInitArgs(
-            f"{unrecorded}{why}: give each run its own, --init-args {run.path}='{example}'"
-        )
+        own = ParameterError("init_args", f"{run.path}='{example}'")
+        return MissingInitArgs(f"{unrecorded}{why}: give each run its own, {own}").quoting(own)
+    given = ParameterError("init_args", f"'{example}'")
+    factory = ParameterError("model", "pkg.module:function")
     return MissingInitArgs(
-        f"{unrecorded}, and their defaults may not be the run's; pass them with --init-args "
-        f"'{example}', or a factory that builds the model with --model pkg.module:function"
-    )
+        f"{unrecorded}, and their defaults may not be the run's; pass them with {given}, or a "
+        f"factory that builds the model with {factory}"
+    ).quoting(given, factory)
 
 
 def build_module(model: str, init_args: Mapping[str, Any] | None = None) -> nn.Module:
     """The module that the class or factory ``model`` (``pkg.module:name`` or
-    ``path/to/file.py:name``, as ``--model``) builds from ``init_args``.
+    ``path/to/file.py:name``, as :func:`rebuild_module`'s ``model``) builds from ``init_args``.
 
     Example::
 
@@ -400,10 +401,11 @@ def _replay_edits(run: Run, module: nn.Module, given_model: bool) -> None:
         if kind == names.EDIT_SHIFT:
             _replay_shift(run, module, edit)
         elif kind != names.EDIT_INIT_BIASES and not given_model:
+            factory = ParameterError("model", "a factory that builds the edited model")
             raise DynamicsError(
                 f"{run.path.name}: the model was edited at fit time by {by} ({kind}), which "
-                "cannot be replayed offline; pass --model a factory that builds the edited model"
-            )
+                f"cannot be replayed offline; pass {factory}"
+            ).quoting(factory)
 
 
 def _replay_shift(run: Run, module: nn.Module, edit: Mapping[str, Any]) -> None:
@@ -448,21 +450,22 @@ def _check_submodules(run: Run, module: nn.Module) -> None:
     """Refuse a rebuilt model whose submodules differ in class or settings from the run's."""
     differing = submodule_differences(run, module)
     if differing:
+        factory = ParameterError("model", "a factory that builds it as trained")
         raise DynamicsError(
             f"{run.path.name}: the rebuilt model's submodules differ from the run's "
             f"({differing}); was the model edited after it was built (shift_activations in "
-            "the training script)? Shift it with the ShiftActivations callback, or pass "
-            "--model a factory that builds it as trained"
-        )
+            f"the training script)? Shift it with the ShiftActivations callback, or pass {factory}"
+        ).quoting(factory)
 
 
 def _check_module_class(run: Run, class_path: str, target: Any) -> None:
     """Refuse to call a recorded class that is not a ``torch.nn.Module`` subclass."""
     if not (inspect.isclass(target) and issubclass(target, nn.Module)):
+        model = ParameterError("model", "to name the model's class")
         raise DynamicsError(
             f"{run.path.name}: recorded model {class_path} is not a torch.nn.Module subclass; "
-            "refusing to call it (pass --model to name the model's class)"
-        )
+            f"refusing to call it (pass {model})"
+        ).quoting(model)
 
 
 def _check_trusted(run: Run, class_path: str) -> None:
@@ -474,33 +477,39 @@ def _check_trusted(run: Run, class_path: str) -> None:
     """
     parts = class_path.split(".")
     if parts[0] not in importlib.metadata.packages_distributions():
+        model = ParameterError("model", f"path/to/file.py:{parts[-1]}")
+        trust = ParameterError("trust_recorded_model", "if you trust this file")
         raise DynamicsError(
             f"{run.path.name}: recorded model {class_path} is outside the installed packages "
-            f"(importing it would run its code); name it with --model "
-            f"path/to/file.py:{parts[-1]}, or pass --trust-recorded-model if you trust this file"
-        )
+            f"(importing it would run its code); name it with {model}, or pass {trust}"
+        ).quoting(model, trust)
 
 
 def _recorded_class(run: Run, class_path: str, trusted: bool) -> Any:
     if not class_path:
-        raise DynamicsError(f"{run.path.name}: no model class recorded; pass --model")
+        model = ParameterError("model", "to name its class or a factory")
+        raise DynamicsError(f"{run.path.name}: no model class recorded; pass {model}").quoting(
+            model
+        )
     class_path = RENAMED_CLASSES.get(class_path, class_path)
     module_name, _, qualname = class_path.partition(".")
     if module_name == "__main__":
+        model = ParameterError("model", f"path/to/script.py:{qualname}")
         raise DynamicsError(
             f"{run.path.name}: model {qualname} was defined in the training script (__main__), "
-            f"which cannot be imported; pass --model path/to/script.py:{qualname}"
-        )
+            f"which cannot be imported; pass {model}"
+        ).quoting(model)
     if "<locals>" in class_path:
+        model = ParameterError("model", "pkg.module:factory (or path/to/file.py:factory)")
         raise DynamicsError(
-            f"{run.path.name}: model {class_path} was defined inside a function; pass "
-            "--model pkg.module:factory (or path/to/file.py:factory)"
-        )
+            f"{run.path.name}: model {class_path} was defined inside a function; pass {model}"
+        ).quoting(model)
     if "__main__" in class_path.split("."):
+        model = ParameterError("model", f"path/to/file.py:{qualname.split('.')[-1]}")
         raise DynamicsError(
             f"{run.path.name}: recorded model {class_path} names a __main__ module, which runs "
-            f"a program when imported; pass --model path/to/file.py:{qualname.split('.')[-1]}"
-        )
+            f"a program when imported; pass {model}"
+        ).quoting(model)
     if not trusted:
         _check_trusted(run, class_path)
     # The module path and the class's qualified name share dots: the longest importable
@@ -518,18 +527,28 @@ def _recorded_class(run: Run, class_path: str, trusted: bool) -> Any:
         except Exception as error:  # the user's module raised while importing
             raise DynamicsError(f"importing {module_name} failed: {one_line(error)}") from None
         return _attribute(module, ".".join(parts[cut:]), class_path)
+    model = ParameterError("model", f"path/to/file.py:{parts[-1]}")
     raise DynamicsError(
-        f"{run.path.name}: cannot import model {class_path} ({one_line(first_error)}); pass "
-        f"--model path/to/file.py:{parts[-1]}"
-    )
+        f"{run.path.name}: cannot import model {class_path} ({one_line(first_error)}); pass {model}"
+    ).quoting(model)
 
 
 def model_target(spec: str) -> Any:
-    """The callable named by ``pkg.module:name`` or ``path/to/file.py:name``."""
+    """The callable named by ``pkg.module:name`` or ``path/to/file.py:name`` (the ``model``
+    of :func:`rebuild_module`).
+
+    Example::
+
+        factory = model_target("path/to/train.py:MyModule")  # imports train.py, not __main__
+
+    Raises:
+        ParameterError: (of ``model``) ``spec`` is malformed, cannot be imported, or names no
+            class or function.
+    """
     location, _, attribute = spec.rpartition(":")
     if not location or not attribute:
-        raise DynamicsError(
-            f"--model must be pkg.module:name or path/to/file.py:name, got {spec!r}"
+        raise ParameterError(
+            "model", f"must be pkg.module:name or path/to/file.py:name, got {spec!r}"
         )
     if location.endswith(".py") or "/" in location or os.sep in location:
         module = _module_from_file(Path(location), spec)
@@ -538,16 +557,16 @@ def model_target(spec: str) -> Any:
             with _importable_working_directory():
                 module = importlib.import_module(location)
         except Exception as error:
-            raise DynamicsError(f"--model {spec}: {one_line(error)}") from None
+            raise ParameterError("model", f"{spec}: {one_line(error)}") from None
     target = _attribute(module, attribute, spec)
     if not callable(target):
-        raise DynamicsError(f"--model {spec}: {attribute} is not a class or function")
+        raise ParameterError("model", f"{spec}: {attribute} is not a class or function")
     return target
 
 
 def _module_from_file(path: Path, spec: str) -> Any:
     if not path.is_file():
-        raise DynamicsError(f"--model {spec}: no such file {path}")
+        raise ParameterError("model", f"{spec}: no such file {path}")
     path = path.resolve()
     # Not "__main__": a script's `if __name__ == "__main__":` training stays off.
     name = f"_dynamics_model_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}_{path.stem}"
@@ -561,8 +580,8 @@ def _module_from_file(path: Path, spec: str) -> Any:
             loader_spec.loader.exec_module(module)
     except (Exception, SystemExit) as error:
         del sys.modules[name]
-        raise DynamicsError(
-            f"--model {spec}: running {path.name} failed: {one_line(error)}"
+        raise ParameterError(
+            "model", f"{spec}: running {path.name} failed: {one_line(error)}"
         ) from None
     return module
 

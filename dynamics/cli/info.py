@@ -1,0 +1,83 @@
+"""``dynamics info``: what a run file holds, in a few lines or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Add ``info`` to ``commands``."""
+    info = commands.add_parser("info", help="summarize a run file")
+    info.add_argument("run", type=Path)
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Print the run's status, events, series, snapshots, vectors and config."""
+    from dynamics.store import open_run
+
+    summary = open_run(args.run).summary()
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    print(f"{summary['path']}  (run {summary['run_name']}, schema v{summary['schema_version']})")
+    print(f"  status {_status_line(summary['status'])}")
+    if summary["diverged_at"] is not None:
+        print(f"  diverged at step {summary['diverged_at']}: its loss or parameters not finite")
+    for event in summary["events"]:
+        print(f"  event  step {event['step']} {event['probe']} {event['kind']}: {event['message']}")
+    for group, info in summary["series"].items():
+        shapes = ", ".join(f"{n}{tuple(s) if s else ''}" for n, s in info["series"].items())
+        span = f"steps {info['first_step']}..{info['last_step']}" if info["rows"] else "empty"
+        print(f"  {group:<18} {info['rows']:>7} rows  {span:<20} {shapes}")
+    snapshots = _snapshot_line(summary)
+    if snapshots:
+        print(f"  snapshots {snapshots}")
+    for name, shape in summary["vectors"].items():
+        print(f"  vector {name:<11} {tuple(shape)}")
+    config = summary["attrs"].get("config")
+    if config:
+        print(f"  config {json.dumps(config, sort_keys=True)}")
+    return 0
+
+
+def _snapshot_line(summary: dict) -> str:
+    """``19 of θ (every 11 steps, 3.6 MiB; default budget 4 MiB)``: what `plane` can draw
+    from; empty for a run without ParameterDisplacement's plan."""
+    from dynamics.store import names
+
+    probes = summary["attrs"].get(names.ATTR_PROBES)
+    plans = [
+        probe.get("settings", {}).get("snapshots")
+        for probe in (probes if isinstance(probes, list) else [])
+        if isinstance(probe, dict) and isinstance(probe.get("settings"), dict)
+    ]
+    plan = next((p for p in plans if isinstance(p, dict)), None)
+    if plan is None:
+        return ""
+    count = summary["series"].get(names.SNAPSHOTS, {}).get("rows", 0)
+    if not count:
+        return "0 of θ (θ0 and θT only)"
+    bytes_each = plan.get("bytes_each") or 0
+    budget = plan.get("budget_mb")
+    kind = "default budget" if plan.get("budget") == "default" else "budget"
+    limit = f"; {kind} {budget:g} MiB" if isinstance(budget, (int, float)) else ""
+    return (
+        f"{count} of θ (every {plan.get('period')} steps, "
+        f"{count * bytes_each / 2**20:.1f} MiB{limit})"
+    )
+
+
+def _status_line(status: dict) -> str:
+    """``finished at step 1999 after 93.2 s``, ``crashed (ValueError: ...)``, ..."""
+    line = status["state"]
+    if status["exception"]:
+        line += f" ({status['exception']})"
+    if status["last_step"] is not None:
+        line += f", last flushed step {status['last_step']}"
+    if status["wall_time_s"] is not None:
+        line += f", {status['wall_time_s']:.1f} s"
+    return line
