@@ -265,3 +265,8 @@ def _remove_leftovers(path: Path) -> None:
             if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
+
+
+def slug(text: str) -> str:
+    """``text`` as a file-name part: runs of other characters than ``A-Za-z0-9._-`` become _."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"

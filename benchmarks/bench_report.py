@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dynamics.analysis.compare import write_comparison
-from dynamics.analysis.report import write_report
+from dynamics.analysis.pages.run_comparison import write_comparison
+from dynamics.analysis.pages.run_report import write_report
 from dynamics.store import RunWriter, SeriesSpec
 
 TENSORS = 24

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dynamics.analysis.bias_audit import recorded_audit
+from dynamics.analysis.measures.bias_audit import recorded_audit
 from dynamics.bias.activations import ShiftedActivation
 from dynamics.experiments.autoencoder.model import conv_autoencoder
 from dynamics.experiments.autoencoder.module import AutoencoderModule

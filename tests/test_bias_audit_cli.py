@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.analysis.bias_audit import recorded_audit
+from dynamics.analysis.measures.bias_audit import recorded_audit
 from dynamics.bias import audit
 from dynamics.bias.auditing import audit_batch
 from dynamics.callbacks import (

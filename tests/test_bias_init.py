@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.analysis.run_setup import setup_rows
+from dynamics.analysis.measures.run_setup import setup_rows
 from dynamics.bias import BiasSet, init_biases
 from dynamics.bias.init import constant, log_odds, lstm_forget_gate, mean_target, normal, zeros
 from dynamics.callbacks import DynamicsRecorder, InitBiases, TrainingLoss

@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from dynamics import open_run
-from dynamics.analysis.comparison import DIFFERS, SAME, VARIANT, comparability, verdict
-from dynamics.analysis.run_setup import setup_rows
+from dynamics.analysis.measures.run_comparison import DIFFERS, SAME, VARIANT, comparability, verdict
+from dynamics.analysis.measures.run_setup import setup_rows
 from dynamics.bias import shift_activations
 from dynamics.bias.activations import ShiftedActivation, expected_value
 from dynamics.callbacks import (

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pytorch_lightning.cli import LightningCLI
 from torch import nn
 
-from dynamics.analysis.comparison import SAME, comparability
+from dynamics.analysis.measures.run_comparison import SAME, comparability
 from dynamics.bias import shift_activations
 from dynamics.bias.init import constant
 from dynamics.callbacks import (

@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.analysis.compare import write_comparison
-from dynamics.analysis.comparison import comparability, verdict
-from dynamics.analysis.report import write_report
+from dynamics.analysis.measures.run_comparison import comparability, verdict
+from dynamics.analysis.pages.run_comparison import write_comparison
+from dynamics.analysis.pages.run_report import write_report
 from dynamics.callbacks import DynamicsRecorder, TrainingLoss
 from dynamics.store import RunWriter, SeriesSpec, names
 

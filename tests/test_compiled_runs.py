@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dynamics import open_run
-from dynamics.analysis.bias_audit import recorded_audit
-from dynamics.analysis.run_setup import setup_rows
+from dynamics.analysis.measures.bias_audit import recorded_audit
+from dynamics.analysis.measures.run_setup import setup_rows
 from dynamics.callbacks import (
     BiasAudit,
     DynamicsRecorder,

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from dynamics.analysis.displacement_geometry import displacement_geometry
+from dynamics.analysis.measures.displacement_geometry import displacement_geometry
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement, TrainingLoss
 from dynamics.store import open_run
 from tests.conftest import make_quiet_trainer

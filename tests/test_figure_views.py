@@ -9,7 +9,7 @@ import pytest
 
 from dynamics import open_run
 from dynamics.analysis import figures
-from dynamics.analysis.overshoot import detect_overshoot
+from dynamics.analysis.measures.overshoot import detect_overshoot
 from dynamics.errors import DynamicsError
 from dynamics.store import RunWriter, SeriesSpec, View, names
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dynamics.analysis.groups import compare_groups, load_groups
+from dynamics.analysis.measures.seed_groups import compare_groups, load_groups
 from dynamics.analysis.output import PLANE_GRID_SCHEMA
 from dynamics.store import RunWriter, SeriesSpec, open_run
 from tests.conftest import TINY_EXPERIMENT

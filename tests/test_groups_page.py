@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dynamics.analysis.group_compare import write_group_comparison
-from dynamics.analysis.groups import load_groups
+from dynamics.analysis.measures.seed_groups import load_groups
+from dynamics.analysis.pages.group_comparison import write_group_comparison
 from tests.test_browser import DevTools, pytestmark, rendered  # noqa: F401  (skips without Chromium)
 from tests.test_groups import SEEDS, write_run
 

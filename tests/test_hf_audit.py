@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dynamics import open_run
-from dynamics.analysis.bias_audit import recorded_audit
+from dynamics.analysis.measures.bias_audit import recorded_audit
 from dynamics.bias.auditing import audit
 from dynamics.callbacks import BiasAudit, DynamicsRecorder
 from dynamics.cli import main

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.analysis.compare import write_comparison
-from dynamics.analysis.loss_barrier import load_batch, loss_barriers
+from dynamics.analysis.measures.loss_barrier import load_batch, loss_barriers
+from dynamics.analysis.pages.run_comparison import write_comparison
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.analysis.report import write_report
+from dynamics.analysis.pages.run_report import write_report
 from dynamics.callbacks import DynamicsRecorder, LossChangeSplit, ProbeUnavailable, check_probe
 from dynamics.experiments.teacher_student.data import TeacherStudentData
 from dynamics.experiments.teacher_student.module import TeacherStudentModule

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.analysis.plane_run import rebuilt_surface
+from dynamics.analysis.measures.rebuilt_loss import rebuilt_surface
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.errors import DynamicsError
 from dynamics.model import load_into

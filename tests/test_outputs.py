@@ -224,7 +224,7 @@ def test_plane_grids_never_touch_a_run_of_the_pages_name(demo_copy, dynamics, on
 
 
 def test_an_interrupted_plane_keeps_the_previous_complete_grid(demo_copy, tmp_path, monkeypatch):
-    from dynamics.analysis.plane_run import write_plane
+    from dynamics.analysis.pages.plane import write_plane
     from dynamics.geometry.landscape import LossSurface
 
     out = tmp_path / "p.html"

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from dynamics.analysis.overshoot import OvershootReport, detect_overshoot
+from dynamics.analysis.measures.overshoot import OvershootReport, detect_overshoot
 
 N = 400
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.optimize import brentq
 
-from dynamics.analysis.overshoot import detect_overshoot
+from dynamics.analysis.measures.overshoot import detect_overshoot
 from dynamics.store import RunWriter, SeriesSpec
 
 STEPS = np.arange(5000)

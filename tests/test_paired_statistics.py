@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynamics.analysis.paired_statistics import (
+from dynamics.analysis.measures.paired_statistics import (
     DIFFERENCE,
     RATIO,
     VALUE,

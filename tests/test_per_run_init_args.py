@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dynamics import open_run
-from dynamics.analysis.plane_run import grid_path
+from dynamics.analysis.pages.plane import grid_path
 from dynamics.callbacks import (
     DynamicsRecorder,
     GradientPlane,

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dynamics import open_run
-from dynamics.analysis import loss_barrier
+from dynamics.analysis.measures import loss_barrier
 from dynamics.callbacks import DynamicsRecorder, GradientPlane, ParameterDisplacement
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
@@ -57,7 +57,11 @@ def _run_limited(*args: object) -> tuple[subprocess.CompletedProcess, float]:
 
 def test_torch_imports_under_the_memory_limit():
     result = subprocess.run(
-        [sys.executable, "-c", "import torch, dynamics.model.rebuild, dynamics.analysis.compare"],
+        [
+            sys.executable,
+            "-c",
+            "import torch, dynamics.model.rebuild, dynamics.analysis.pages.run_comparison",
+        ],
         preexec_fn=_limited,
         capture_output=True,
         text=True,

@@ -12,11 +12,14 @@ import pytest
 import yaml
 from plotly.offline import get_plotlyjs
 
-from dynamics.analysis import comparison, figures, page, report
-from dynamics.analysis.compare import write_comparison
-from dynamics.analysis.comparison import config_differences, crossover
+from dynamics.analysis import figures
 from dynamics.analysis.figures import decimate
-from dynamics.analysis.report import write_report
+from dynamics.analysis.measures import run_comparison as comparison
+from dynamics.analysis.measures.run_comparison import config_differences, crossover
+from dynamics.analysis.pages import page
+from dynamics.analysis.pages import run_report as report
+from dynamics.analysis.pages.run_comparison import write_comparison
+from dynamics.analysis.pages.run_report import write_report
 from dynamics.errors import DynamicsError
 from dynamics.store import RunWriter, SeriesSpec, open_run
 
@@ -133,12 +136,11 @@ def test_decimate_leaves_short_series_alone_and_keeps_nan_gaps():
 
 def test_figures_say_when_they_are_decimated():
     t = np.arange(10_000)
-    long = figures.layer_figure(t, np.stack([t, -t], 1), ["a", "b"], title="x", y_title="y")
+    curves = [figures.Curve("a", t, t), figures.Curve("b", t, -t)]
+    long = figures.line_figure(curves, title="x", y_title="y")
     assert "decimated for display" in long.layout.title.subtitle.text
     assert all(len(trace.x) <= figures.DISPLAY_BUDGET for trace in long.data)
-    short = figures.layer_figure(
-        t[:50], np.stack([t[:50]] * 2, 1), ["a", "b"], title="x", y_title="y"
-    )
+    short = figures.line_figure([figures.Curve("a", t[:50], t[:50])], title="x", y_title="y")
     assert not short.layout.title.subtitle.text
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dynamics.analysis.claims import (
+from dynamics.experiments.paper.claims import (
     EARLY_FRACTION,
     MIN_SEEDS,
     NOT_MEASURED,

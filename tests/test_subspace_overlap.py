@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dynamics import open_run
-from dynamics.analysis.eigenspace_overlap import eigenspace_overlap
+from dynamics.analysis.measures.eigenspace_overlap import eigenspace_overlap
 from dynamics.callbacks import DynamicsRecorder, TrainingLoss
 from dynamics.callbacks.hessian_spectrum import HessianSpectrum
 from dynamics.geometry.subspace_overlap import subspace_overlap, update_share

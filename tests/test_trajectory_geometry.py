@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
-from dynamics.analysis.compare import write_comparison
-from dynamics.analysis.report import write_report
+from dynamics.analysis.pages.run_comparison import write_comparison
+from dynamics.analysis.pages.run_report import write_report
 from dynamics.callbacks import (
     DynamicsRecorder,
     ParameterDisplacement,

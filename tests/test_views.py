@@ -206,7 +206,7 @@ def test_report_and_compare_draw_every_recorded_view(recorded_runs, user_view, d
 
 
 def test_side_by_side_panels_say_whose_data_they_show(recorded_runs, tmp_path):
-    from dynamics.analysis.compare import write_comparison
+    from dynamics.analysis.pages.run_comparison import write_comparison
 
     page = write_comparison(recorded_runs, tmp_path / "compare.html").path.read_text()
     figures = figures_of(page)
@@ -227,7 +227,7 @@ def test_side_by_side_panels_say_whose_data_they_show(recorded_runs, tmp_path):
 
 
 def test_the_plane_page_uses_the_page_kit(tmp_path):
-    from dynamics.analysis.plane_report import write_plane_html
+    from dynamics.analysis.pages.plane import write_plane_html
     from dynamics.geometry.landscape import PlaneView, Trajectory
     from dynamics.geometry.plane import Grid, Plane
 

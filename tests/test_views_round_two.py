@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dynamics.analysis import figures
-from dynamics.analysis.compare import crossing_text
-from dynamics.analysis.comparison import crossover
-from dynamics.analysis.loss_barrier import Barriers, LinePath, _barrier_html
-from dynamics.analysis.plane_report import checkpoint_loss_figure, heatmap_figure
+from dynamics.analysis.figures.plane import checkpoint_loss_figure, heatmap_figure
+from dynamics.analysis.measures.loss_barrier import Barriers, LinePath
+from dynamics.analysis.measures.run_comparison import crossing_text, crossover
+from dynamics.analysis.pages.sections.loss_barrier import barrier_html
 from dynamics.errors import DynamicsError
 from dynamics.store import RunWriter, SeriesSpec
 
@@ -22,7 +22,7 @@ from dynamics.store import RunWriter, SeriesSpec
 def test_a_line_that_only_falls_has_no_barrier_and_the_other_definition_is_labelled():
     alphas = np.linspace(0, 1, 5)
     falling = LinePath("θ0 → θT (a)", "a", False, alphas, 3.0 - 2.0 * alphas, "probe batch")
-    page = _barrier_html(Barriers([falling], []))
+    page = barrier_html(Barriers([falling], []))
     header = re.findall(r"<th>(.*?)</th>", page)
     assert header[4:6] == ["barrier (height above the chord)", "max − mean of the ends"]
     cells = re.findall(r"<td>(.*?)</td>", page)

@@ -76,7 +76,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Audit a class, or a run's model at θ0 (its recorded audit when it has one)."""
-    from dynamics.analysis.bias_audit import recorded_audit
+    from dynamics.analysis.measures.bias_audit import recorded_audit
     from dynamics.bias.auditing import audit, audit_batch
     from dynamics.model.probe_batch import probe_batch
     from dynamics.model.rebuild import build_module, rebuild_module
@@ -149,7 +149,7 @@ def _example_input(args: argparse.Namespace, model: Any, shape: tuple[int, ...] 
     if args.input_json is not None:
         return _json_input(args.input_json, model)
     if args.input_file is not None:
-        from dynamics.analysis.loss_barrier import load_batch
+        from dynamics.analysis.measures.loss_barrier import load_batch
 
         loaded = load_batch(args.input_file, what="--input-file")
         return _arguments(loaded.batch), f"{args.input_file} (--input-file)"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 from dynamics.errors import DynamicsError, ParameterError
 
 if TYPE_CHECKING:
-    from dynamics.analysis.report import Written
+    from dynamics.analysis.pages.page import Written
     from dynamics.model.rebuild import RunInitArgs
 
 USAGE_ERROR = 2

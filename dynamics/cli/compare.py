@@ -69,7 +69,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Compare run files with the first (a page), or groups (a table, and a page with -o)."""
-    from dynamics.analysis.groups import is_group_directory
+    from dynamics.analysis.measures.seed_groups import is_group_directory
 
     grouped = args.group or (len(args.runs) == 1 and is_group_directory(args.runs[0]))
     if grouped:
@@ -95,7 +95,7 @@ def handle(args: argparse.Namespace) -> int:
 
         # The user's --model (a typo, a missing file) is their input, not a run's remark.
         model_target(args.model)
-    from dynamics.analysis.compare import write_comparison
+    from dynamics.analysis.pages.run_comparison import write_comparison
 
     barrier_batch = None
     if args.barrier_batch is not None:
@@ -103,7 +103,7 @@ def handle(args: argparse.Namespace) -> int:
             raise DynamicsError(
                 "--barrier-batch: no loss barrier is evaluated with --barrier-points 0"
             )
-        from dynamics.analysis.loss_barrier import load_batch
+        from dynamics.analysis.measures.loss_barrier import load_batch
         from dynamics.store import open_run
 
         # Its size is bounded by the runs' probe batches: they are opened (not read) first.
@@ -125,18 +125,18 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def _compare_groups(args: argparse.Namespace) -> int:
-    from dynamics.analysis.group_compare import (
-        STATISTICS_HEADER,
-        STATISTICS_NOTE,
-        groups_json,
-        statistics_rows,
-        write_group_comparison,
-    )
-    from dynamics.analysis.groups import (
+    from dynamics.analysis.measures.seed_groups import (
         compare_groups,
         directory_groups,
+        groups_json,
         load_groups,
         parse_group,
+    )
+    from dynamics.analysis.pages.group_comparison import (
+        STATISTICS_HEADER,
+        STATISTICS_NOTE,
+        statistics_rows,
+        write_group_comparison,
     )
 
     if args.group and args.runs:

@@ -22,7 +22,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Print the loss window and one row per layer (or the report as JSON)."""
-    from dynamics.analysis.report import run_overshoot
+    from dynamics.analysis.measures.run_series import run_overshoot
     from dynamics.store import open_run
 
     run = open_run(args.run)

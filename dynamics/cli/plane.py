@@ -58,7 +58,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Write the plane's page and grids; print its remarks and notes."""
-    from dynamics.analysis.plane_run import write_plane
+    from dynamics.analysis.pages.plane import write_plane
 
     _check_before_any_file(args)
     init_args = run_init_args(args.init_args)

@@ -20,7 +20,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Write the report and say what it holds."""
-    from dynamics.analysis.report import write_report
+    from dynamics.analysis.pages.run_report import write_report
 
     written = write_report(
         args.runs,

@@ -51,8 +51,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Run the plan, print each claim's verdict and where the report went."""
-    from dynamics.analysis.reproduction_page import CLAIMS_HEADER, claim_rows
     from dynamics.experiments.config import parse_seeds
+    from dynamics.experiments.paper.reproduction_page import CLAIMS_HEADER, claim_rows
     from dynamics.experiments.reproduce import reproduce
     from dynamics.system import available_cores
 

@@ -1,5 +1,5 @@
 """``dynamics reproduce``: the paper's experiments over seeds, their grouped comparisons, and
-one report of the paper's claims with verdicts (:mod:`dynamics.analysis.claims`).
+one report of the paper's claims with verdicts (:mod:`dynamics.experiments.paper.claims`).
 
 Each experiment of the plan is trained by the seed runner into ``OUT/<experiment>/<variant>/
 seed<k>.h5``, compared group against group into ``OUT/<experiment>/compare.html``, and the
@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynamics.analysis.claims import ClaimResult, evaluate_claims
-from dynamics.analysis.group_compare import write_group_comparison
-from dynamics.analysis.groups import compare_groups, directory_groups, load_groups
+from dynamics.analysis.measures.seed_groups import compare_groups, directory_groups, load_groups
 from dynamics.analysis.output import check_existing_output, check_output
-from dynamics.analysis.page import Written
-from dynamics.analysis.reproduction_page import ExperimentRecord, write_reproduction
+from dynamics.analysis.pages.group_comparison import write_group_comparison
+from dynamics.analysis.pages.page import Written
 from dynamics.errors import DynamicsError
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.config_files import configs_folder, load_config
 from dynamics.experiments.experiment import Experiment
+from dynamics.experiments.paper.claims import ClaimResult, evaluate_claims
+from dynamics.experiments.paper.reproduction_page import ExperimentRecord, write_reproduction
 from dynamics.experiments.seed_runs import RunFailure, check_outputs, run_seeds
 
 __all__ = ["FULL", "QUICK", "REPORT", "Reproduction", "Stage", "reproduce"]

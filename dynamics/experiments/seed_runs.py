@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynamics.analysis.comparison import loss_crossover
-from dynamics.analysis.groups import overtaking_step
+from dynamics.analysis.measures.run_comparison import loss_crossover
+from dynamics.analysis.measures.seed_groups import overtaking_step
 from dynamics.analysis.output import check_existing_output, write_atomically
 from dynamics.errors import DynamicsError, ParameterError
 from dynamics.experiments import runner
@@ -456,8 +456,9 @@ def crossover_steps(
 ) -> dict[str, Any]:
     """Per variant besides the baseline (the one whose setting is ``none``, else the first),
     the step of each seed after which it stays ahead of the baseline on held-out loss (the
-    grouped compare's "overtakes", :func:`dynamics.analysis.groups.overtaking_step`), with
-    their statistics; a seed without one says why."""
+    grouped compare's "overtakes",
+    :func:`dynamics.analysis.measures.seed_groups.overtaking_step`), with their statistics; a
+    seed without one says why."""
     names = list(variants)
     baseline = next((n for n in names if variants[n] == "none"), names[0])
     crossover = {}

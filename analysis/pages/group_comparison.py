@@ -1,31 +1,24 @@
 """Grouped comparison over seeds: the paired statistics as a table (the terminal and the page
-print the same rows), as JSON, and as one HTML page with bands instead of one line per run.
-
-Bands are the mean over seeds and the min–max envelope (not a confidence interval): each
-seed's series is read at the steps of the group's first seed inside the range all seeds cover
-(linear interpolation, exact when the schedules agree).
+print the same rows) and as one HTML page with bands instead of one line per run
+(:mod:`dynamics.analysis.figures.seed_bands`). The numbers, and their JSON, come from
+:mod:`dynamics.analysis.measures.seed_groups`.
 """
 
 from __future__ import annotations
 
 import html
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import numpy as np
-import plotly.graph_objects as go
+from collections.abc import Sequence
 
 from dynamics import __version__
-from dynamics.analysis.comparison import comparability, finite, top_eigenvalue, verdict
-from dynamics.analysis.figures import run_colors, y_scale
-from dynamics.analysis.groups import Group, GroupComparison, compare_groups
+from dynamics.analysis.figures.seed_bands import seed_band_figures
+from dynamics.analysis.measures.paired_statistics import RATIO, VALUE, PairedStatistic
+from dynamics.analysis.measures.run_comparison import comparability, verdict
+from dynamics.analysis.measures.seed_groups import Group, GroupComparison, compare_groups
 from dynamics.analysis.output import check_output
-from dynamics.analysis.page import Written, figure_html, html_page, html_table, write_page
-from dynamics.analysis.paired_statistics import RATIO, VALUE, PairedStatistic
-from dynamics.store import Metric, Run
+from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
 
-__all__ = ["STATISTICS_HEADER", "groups_json", "statistics_rows", "write_group_comparison"]
+__all__ = ["STATISTICS_HEADER", "statistics_rows", "write_group_comparison"]
 
 STATISTICS_HEADER = (
     "comparison",
@@ -42,7 +35,13 @@ STATISTICS_HEADER = (
 
 def statistics_rows(comparisons: Sequence[GroupComparison]) -> list[tuple[str, ...]]:
     """One row per measure and comparison, the cells as both the terminal and the page show
-    them (:data:`STATISTICS_HEADER`)."""
+    them (:data:`STATISTICS_HEADER`).
+
+    Example::
+
+        for row in statistics_rows(compare_groups(groups)):
+            print(" | ".join(row))
+    """
     return [
         (f"{c.other} vs {c.reference}", *_cells(stat)) for c in comparisons for stat in c.statistics
     ]
@@ -64,24 +63,6 @@ def _cells(stat: PairedStatistic) -> tuple[str, ...]:
     return (stat.measure, centre, interval, stat.method, p, agree, seeds, "; ".join(stat.missing))
 
 
-def groups_json(groups: Sequence[Group], comparisons: Sequence[GroupComparison]) -> dict[str, Any]:
-    """What ``dynamics compare --json`` prints: the groups' runs by seed and every statistic."""
-    return {
-        "reference": groups[0].name,
-        "groups": {
-            g.name: {str(seed): str(run.path) for seed, run in g.runs.items()} for g in groups
-        },
-        "comparisons": [
-            {
-                "reference": c.reference,
-                "other": c.other,
-                "statistics": [stat.to_dict() for stat in c.statistics],
-            }
-            for c in comparisons
-        ],
-    }
-
-
 def write_group_comparison(
     groups: Sequence[Group],
     comparisons: Sequence[GroupComparison] | None,
@@ -94,10 +75,10 @@ def write_group_comparison(
     """Write the grouped comparison page: statistics, groups, per-seed comparability, bands.
 
     Args:
-        groups: the groups (:func:`~dynamics.analysis.groups.load_groups`); the first is the
-            reference.
-        comparisons: their :func:`~dynamics.analysis.groups.compare_groups`, or None to
-            compute them.
+        groups: the groups (:func:`~dynamics.analysis.measures.seed_groups.load_groups`);
+            the first is the reference.
+        comparisons: their :func:`~dynamics.analysis.measures.seed_groups.compare_groups`,
+            or None to compute them.
         out_path: the HTML file to write (atomically).
         overwrite: replace an existing output.
         static_dir: also export every figure into this folder.
@@ -105,12 +86,17 @@ def write_group_comparison(
 
     Raises:
         DynamicsError: an output that cannot be written or is one of the inputs.
+
+    Example::
+
+        groups = load_groups([("base", "runs/base"), ("shifted", "runs/shifted")])
+        write_group_comparison(groups, None, "runs/groups.html")
     """
     inputs = [run.path for group in groups for run in group.runs.values()]
     out = check_output(out_path, overwrite, inputs)
     if comparisons is None:
         comparisons = compare_groups(groups)
-    figures = _band_figures(groups)
+    figures = seed_band_figures(groups)
     reference = groups[0]
     pairs = [
         (
@@ -162,75 +148,3 @@ STATISTICS_NOTE = (
     "binomial test against no difference (0, or 1 for a ratio)."
 )
 BAND_NOTE = "Lines: mean over seeds; bands: min–max over seeds (not a confidence interval)."
-
-
-def _band_figures(groups: Sequence[Group]) -> list[tuple[str, go.Figure]]:
-    figures = []
-    for key, title, y_title, read, log_y in _BANDS:
-        figure = go.Figure()
-        drawn = False
-        for group, color in zip(groups, run_colors(len(groups))):
-            band = _band([read(run) for run in group.runs.values()])
-            if band is None:
-                continue
-            drawn = True
-            _add_band(figure, group.name, color, *band)
-        if drawn:
-            figure.update_layout(title=title, height=420, template="plotly_white")
-            figure.update_xaxes(title_text="step")
-            drawn_values = [trace.y for trace in figure.data if trace.y is not None]
-            figure.update_yaxes(title_text=y_title, **y_scale(log_y, *drawn_values))
-            figures.append((key, figure))
-    return figures
-
-
-_BANDS: tuple[tuple[str, str, str, Callable[[Run], Metric | None], bool], ...] = (
-    ("train-loss", "Training loss over seeds", "loss", Run.train_loss, True),
-    ("heldout-loss", "Held-out loss over seeds", "held-out loss", Run.heldout_loss, True),
-    ("top-eigenvalue", "Top Hessian eigenvalue λ1 over seeds", "λ1", top_eigenvalue, True),
-)
-
-
-def _band(metrics: list[Metric | None]) -> tuple[np.ndarray, ...] | None:
-    """``(steps, mean, low, high)`` over the seeds' series, or None unless every seed has
-    at least two finite records that overlap."""
-    if any(m is None for m in metrics):
-        return None
-    series = [finite(m.step, m.values) for m in metrics]
-    if any(len(values) < 2 for _, values in series):
-        return None
-    steps = series[0][0].astype(float)
-    start = max(s[0] for s, _ in series)
-    end = min(s[-1] for s, _ in series)
-    steps = steps[(steps >= start) & (steps <= end)]
-    if len(steps) < 2:
-        return None
-    table = np.stack([np.interp(steps, s, v) for s, v in series])
-    return steps, table.mean(0), table.min(0), table.max(0)
-
-
-def _add_band(
-    figure: go.Figure,
-    name: str,
-    color: str,
-    steps: np.ndarray,
-    mean: np.ndarray,
-    low: np.ndarray,
-    high: np.ndarray,
-) -> None:
-    figure.add_trace(
-        go.Scatter(
-            x=np.concatenate([steps, steps[::-1]]),
-            y=np.concatenate([high, low[::-1]]),
-            fill="toself",
-            fillcolor=color,
-            opacity=0.2,
-            line={"color": color, "width": 0.5},
-            name=f"{name} min–max",
-            legendgroup=name,
-            hoverinfo="skip",
-        )
-    )
-    figure.add_trace(
-        go.Scatter(x=steps, y=mean, name=f"{name} mean", line={"color": color}, legendgroup=name)
-    )

@@ -2,47 +2,48 @@
 
 A run's views come from what it evaluated in its training process at the end of fit
 (``GradientPlane(at_end=True)``) when it did so on the chosen plane; otherwise its model is
-rebuilt from its file. Every grid is evaluated on one process or split across several
-torch.distributed (gloo) processes, with the same result; one process writes, each chunk of
-rows as it is finished, so an interrupted evaluation keeps them.
+rebuilt from its file (:mod:`dynamics.analysis.measures.rebuilt_loss`). Every grid is evaluated
+on one process or split across several torch.distributed (gloo) processes, with the same result;
+one process writes, each chunk of rows as it is finished, so an interrupted evaluation keeps
+them. The views are planned and evaluated by :mod:`dynamics.analysis.measures.plane_grid` and
+drawn by :mod:`dynamics.analysis.figures.plane`.
 """
 
 from __future__ import annotations
 
+import html as html_text
 import json
 import os
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from tqdm.auto import tqdm
 
-from dynamics.analysis.output import PLANE_GRID_SCHEMA, check_output, claimed
-from dynamics.analysis.plane_report import write_plane_html
-from dynamics.analysis.plane_views import (
+from dynamics import __version__
+from dynamics.analysis.figures.plane import checkpoint_loss_figure, heatmap_figure
+from dynamics.analysis.measures.plane_grid import (
     ChosenPlane,
     StoredViews,
+    check_plane_settings,
     choose_plane,
     evaluate_views,
+    plane_label,
     planned_views,
     points_to_evaluate,
     stored_views,
     views_file,
 )
-from dynamics.errors import DynamicsError, one_line
-from dynamics.geometry.landscape import LossSurface
-from dynamics.geometry.nearest_buffers import NearestBuffers
-from dynamics.model.probe_batch import probe_batch
-from dynamics.model.rebuild import MissingInitArgs, RunInitArgs, rebuild_module, run_init_args
-from dynamics.passes.loss_rule import LossUnavailable, loss_source
+from dynamics.analysis.measures.rebuilt_loss import rebuilt_surface
+from dynamics.analysis.output import PLANE_GRID_SCHEMA, check_output, claimed
+from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
+from dynamics.errors import DynamicsError
+from dynamics.geometry.landscape import LossSurface, PlaneView
+from dynamics.model.rebuild import MissingInitArgs, RunInitArgs, run_init_args
 from dynamics.store import Run, names, open_run
 from dynamics.system import available_cores
 
-
-class BatchRefused(DynamicsError):
-    """The rebuilt model cannot take the batch its loss is to be evaluated on."""
+__all__ = ["PlaneWritten", "grid_path", "write_plane", "write_plane_html"]
 
 
 @dataclass(frozen=True)
@@ -98,20 +99,20 @@ def write_plane(
     """Both runs on a plane and each out of it, as HTML and HDF5.
 
     Every input is checked before a model is rebuilt; see
-    :func:`~dynamics.analysis.plane_views.choose_plane` for the planes and
-    :func:`~dynamics.analysis.plane_views.planned_views` for the views.
+    :func:`~dynamics.analysis.measures.plane_grid.choose_plane` for the planes and
+    :func:`~dynamics.analysis.measures.plane_grid.planned_views` for the views.
 
     Args:
         run_a: the first run (its initial gradient gives u on the gradient planes).
         run_b: the second run.
         out_path: the HTML file; the views' data go beside it, to :func:`grid_path` of it.
         overwrite: replace existing outputs.
-        plane: one of :data:`~dynamics.analysis.plane_views.PLANE_CHOICES`.
+        plane: one of :data:`~dynamics.analysis.measures.plane_grid.PLANE_CHOICES`.
         grid_side: grid points per axis.
         margin: extra fraction of the trajectories' range on each side of a grid.
         coarse: coarse to fine: a ``coarse``×``coarse`` grid over each view first, then the
             ``grid_side`` points only near the trajectories (see
-            :func:`~dynamics.analysis.plane_views.planned_views`).
+            :func:`~dynamics.analysis.measures.plane_grid.planned_views`).
         processes: split every grid across this many processes (forked, gloo); default: the
             cores this process may use.
         progress: one progress bar, with an estimate of the time left, over every evaluation.
@@ -124,17 +125,22 @@ def write_plane(
             (see :func:`~dynamics.model.rebuild.rebuild_module`).
 
     Raises:
-        DynamicsError: ``processes`` below 1, an output that may not be written (or that
+        ParameterError: a setting that cannot work, before anything is read
+            (:func:`~dynamics.analysis.measures.plane_grid.check_plane_settings`).
+        DynamicsError: an output that may not be written (or that
             another process is writing: the outputs are claimed until written), a run file
             that cannot be read, two runs that cannot share the plane asked for, a model that
             cannot be rebuilt (unless the other run stored its views in training: then the
             page says which heatmaps are missing and why), or a worker process that failed.
+
+    Example::
+
+        written = write_plane("runs/demo/unshifted.h5", "runs/demo/shifted.h5",
+                              "runs/demo/plane.html", grid_side=21, processes=1)
+        print(written.notes)  # each run's in-plane share of ‖θT − θ0‖²
     """
+    check_plane_settings(plane, grid_side, margin, coarse, processes)
     processes = available_cores() if processes is None else processes
-    if processes < 1:
-        raise DynamicsError(f"--processes must be at least 1, got {processes}")
-    if coarse is not None and not 2 <= coarse <= grid_side:
-        raise DynamicsError(f"--coarse must be between 2 and --grid ({grid_side}), got {coarse}")
     inputs = (run_a, run_b)
     html = check_output(out_path, overwrite, inputs)
     results = check_output(grid_path(html), overwrite, inputs, kind=PLANE_GRID_SCHEMA)
@@ -198,6 +204,10 @@ def grid_path(html: Path) -> Path:
     """Where ``dynamics plane -o html`` writes its grids: ``X.plane.h5`` beside ``X.html``.
 
     Not ``X.h5``: that name is a run file's, and ``-o runs/C.html`` would replace ``runs/C.h5``.
+
+    Example::
+
+        grid_path(Path("runs/plane.html"))  # Path('runs/plane.plane.h5')
     """
     return html.with_suffix(".plane.h5")
 
@@ -216,59 +226,6 @@ def _stored_elsewhere(runs: list[Run], plane: str, grid_side: int) -> str:
             f"order: dynamics plane {first} {second}"
         )
     return f"; {', '.join(elsewhere)} stored views on another plane"
-
-
-def rebuilt_surface(
-    run: Run,
-    model: str | None = None,
-    init_args: dict | RunInitArgs | None = None,
-    trust: bool = False,
-    *,
-    buffers_of: Sequence[Run] = (),
-    batch: Any = None,
-    batch_name: str = "the stored probe batch",
-) -> LossSurface:
-    """The loss of ``run``'s model rebuilt from its file, on its stored probe batch (or
-    ``batch``), in eval mode, each point with the buffers of the nearest stored state (of
-    ``run``, or of the runs ``buffers_of`` when given: a path between runs' endpoints).
-
-    Args:
-        run: the run whose model and probe batch are used.
-        model: build this class or factory instead (see
-        :func:`~dynamics.model.rebuild.rebuild_module`).
-        init_args: init args completing or overriding the recorded ones (see
-            :func:`~dynamics.model.rebuild.rebuild_module`).
-        trust: import a recorded class from outside the installed packages.
-        buffers_of: the runs whose stored states supply buffers; default ``run``'s.
-        batch: the batch to evaluate on instead of the stored probe batch (on the CPU).
-        batch_name: what the batch is, for the error saying the model cannot take it.
-
-    Raises:
-        DynamicsError: the model cannot be rebuilt, has no loss to evaluate, or the run stores
-            no probe batch (and no ``batch`` is given).
-        BatchRefused: the model cannot take the batch (tried once, at θ0).
-    """
-    module = rebuild_module(run, model, init_args, trust)
-    try:  # before any pass: a manually optimized module's training_step would train it
-        loss_source(module)
-    except LossUnavailable as error:
-        raise DynamicsError(f"{run.path.name}: {error}") from None
-    buffers = NearestBuffers.of_runs(list(buffers_of) or [run], module)
-    if batch is None:
-        batch = probe_batch(run)
-    surface = LossSurface(module, run.layout, batch, buffers=buffers)
-    theta0 = run.vector(names.THETA0)  # the plane's checks have asked for it already
-    try:  # once at θ0, so a batch the model cannot take is one line, not a worker's
-        if theta0 is not None:
-            surface.loss(theta0)
-    except LossUnavailable as error:  # the model, not the batch (a step that reads self.trainer)
-        raise DynamicsError(f"{run.path.name}: {error}") from None
-    # KeyError and AttributeError: a dict or object batch without what the step reads.
-    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as error:
-        raise BatchRefused(
-            f"{run.path.name}: the rebuilt model cannot take {batch_name}: {one_line(error)}"
-        ) from None
-    return surface
 
 
 def _evaluate_share(
@@ -327,3 +284,67 @@ def _evaluate_share(
     if distributed:  # the parent of forked processes sees no return value
         (folder / "notes.json").write_text(json.dumps(notes))
     return notes
+
+
+def write_plane_html(
+    views: list[PlaneView],
+    out: Path,
+    remarks: list[str] = (),
+    *,
+    static_dir: str | os.PathLike | None = None,
+    static_format: str = "png",
+    overwrite: bool = False,
+) -> Written:
+    """A self-contained HTML page (plotly.js embedded once) of ``views``, written atomically.
+
+    The caller checks ``out`` first (:func:`dynamics.analysis.output.check_output`), before the
+    grids are computed.
+
+    Args:
+        views: the plane views, evaluated (see :mod:`dynamics.analysis.measures.plane_grid`).
+        out: the HTML file.
+        remarks: lines shown above the figures (how the plane was chosen, what is missing).
+        static_dir: also export both figures into this folder (see
+            :func:`dynamics.analysis.pages.page.write_page`).
+        static_format: ``"png"`` or ``"svg"``.
+        overwrite: replace existing static files.
+
+    Returns:
+        What was written.
+
+    Example::
+
+        views = planned_views(...)  # evaluated, see dynamics.analysis.measures.plane_grid
+        write_plane_html(views, Path("plane.html"), ["plane: the initial-gradient plane"])
+    """
+    notes = {k: v for view in views for k, v in view.notes.items()}
+    figures = [
+        ("plane-heatmaps", heatmap_figure(views)),
+        ("plane-checkpoint-loss", checkpoint_loss_figure(views)),
+    ]
+    first = next((v.plane for v in views if v.plane.kind != "out-of-plane"), None)
+    heading = plane_label(first) if first is not None else "plane"
+    body = "".join(
+        [
+            f"<h1>{html_text.escape(heading[0].upper() + heading[1:])} and out-of-plane views</h1>",
+            f"<p class='meta'>{html_text.escape(', '.join(dict.fromkeys(v.run for v in views)))}"
+            f" · dynamics {__version__}</p>",
+            *(f"<p class='note'>{html_text.escape(remark)}</p>" for remark in remarks),
+            "<h2>Loss landscapes</h2>",
+            "<p class='note'>Each panel: log10 of the loss of the run it names, on that run's "
+            "stored probe batch, at θ0 + a·u + b·v; every run's path is drawn over it. Circles "
+            "mark θ0, stars θT.</p>",
+            html_table(("heatmap", "evaluated"), [(v.title, v.source) for v in views]),
+            *(
+                f"<p class='note'>Buffers: {html_text.escape(note)}.</p>"
+                for note in dict.fromkeys(v.buffers for v in views if v.buffers)
+            ),
+            figure_html(figures[0][1], 0),
+            "<h2>Real checkpoints against the plane</h2>",
+            figure_html(figures[1][1], 1),
+            "<h2>Notes</h2>",
+            html_table(("note", "value"), sorted(notes.items())),
+        ]
+    )
+    page = html_page("dynamics plane views", body)
+    return write_page(Path(out), page, figures, static_dir, static_format, overwrite)

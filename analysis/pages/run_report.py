@@ -1,12 +1,13 @@
 """One self-contained HTML report for one or more run files, one section per run.
 
 A section holds the run's loss, every recorded series drawn as its view says (one figure per
-group, :mod:`dynamics.analysis.run_views`), the dedicated views — overshoot verdicts of the
-hidden-state norms against the training loss, the Hessian's spectral density, the path on the
-plane of initial gradients, the bias audit when the run recorded one — and what the run was
-(module class and init args, layout, optimizer, scheduler, precision, data, probes), its config
-and metadata. Standard groups a run did not record are listed, not drawn. The page comes from
-the kit of :mod:`dynamics.analysis.page`.
+group) with what the group's dedicated view adds (:mod:`dynamics.analysis.figures.dedicated_views`:
+overshoot peaks on the hidden-state norms, the Hessian's spectral density, the path on the plane
+of initial gradients, decoded images), the overshoot verdicts against the training loss, the bias
+audit when the run recorded one, and what the run was (module class and init args, layout,
+optimizer, scheduler, precision, data, probes), its config and metadata. Standard groups a run
+did not record are listed, not drawn. The page comes from the kit of
+:mod:`dynamics.analysis.pages.page`.
 """
 
 from __future__ import annotations
@@ -20,33 +21,32 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 
 from dynamics import __version__
-from dynamics.analysis.bias_audit import bias_audit_html, recorded_audit
-from dynamics.analysis.decoded_images import decoded_images, decoded_images_figure
-from dynamics.analysis.figures import (
-    density_figure,
-    loss,
-    plane_path,
-    plane_share,
-    view_figure,
+from dynamics.analysis.figures.dedicated_views import (
+    Marks,
+    dedicated_view,
+    descent_window,
+    drawn_series,
+    run_marks,
 )
-from dynamics.analysis.output import check_output
-from dynamics.analysis.overshoot import OvershootReport
-from dynamics.analysis.page import Written, figure_html, html_page, html_table, slug, write_page
-from dynamics.analysis.run_setup import setup_rows
-from dynamics.analysis.run_views import (
+from dynamics.analysis.figures.runs import run_loss_figure
+from dynamics.analysis.figures.series import view_figure
+from dynamics.analysis.measures.bias_audit import recorded_audit
+from dynamics.analysis.measures.overshoot import OvershootReport
+from dynamics.analysis.measures.run_series import (
     STANDARD_GROUPS,
-    density_rows,
     drawn_groups,
     group_title,
-    loss_window,
-    overshoot_peaks,
     run_overshoot,
-    series_views,
 )
+from dynamics.analysis.measures.run_setup import setup_rows
+from dynamics.analysis.output import check_output, slug
+from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
+from dynamics.analysis.pages.sections.bias_audit import bias_audit_html
+from dynamics.analysis.pages.sections.overshoot import overshoot_html
 from dynamics.errors import DynamicsError
 from dynamics.store import Run, names, open_run, run_files
 
-__all__ = ["Written", "overshoot_html", "run_overshoot", "write_report"]
+__all__ = ["write_report"]
 
 
 def write_report(
@@ -76,6 +76,12 @@ def write_report(
             nothing to draw, an output in a missing or unwritable folder, an existing output
             without ``overwrite``, or an output that is one of the inputs. Nothing is written
             then.
+
+    Example::
+
+        written = write_report(["runs/demo/unshifted.h5", "runs/demo/shifted.h5"],
+                               "runs/demo/report.html", overwrite=True)
+        print(written.path, written.figures)
     """
     run_paths = run_files(run_paths)  # a directory gives its run files
     if not run_paths:
@@ -83,7 +89,7 @@ def write_report(
     out = check_output(out_path, overwrite, run_paths)
     runs = [open_run(path) for path in run_paths]
     overshoots = [run_overshoot(run) for run in runs]
-    per_run = [_run_figures(run, overshoot) for run, overshoot in zip(runs, overshoots)]
+    per_run = [_run_figures(run) for run in runs]
     empty = [run for run, run_figures in zip(runs, per_run) if not run_figures]
     why = "no series to report (none declares a view, and no loss or plane)"
     if len(empty) == len(runs):
@@ -107,60 +113,6 @@ def write_report(
     page = html_page(title, header + "".join(sections))
     written = write_page(out, page, figures, static_dir, static_format, overwrite)
     return dataclasses.replace(written, skipped=skipped)
-
-
-def overshoot_html(report: OvershootReport | None) -> str:
-    """The overshoot verdict table of one run, with the loss window it was judged against."""
-    if report is None:
-        return "<p class='note'>No hidden-state norms recorded: no overshoot verdict.</p>"
-    window = report.loss_window
-    if window is None:
-        where = "No training loss recorded, so no window of fastest loss reduction."
-    elif window.found:
-        where = (
-            f"Window of fastest loss reduction ({window.scale} loss): steps "
-            f"{window.start_step}–{window.end_step}, steepest at step {window.steepest_step}."
-        )
-    else:
-        where = f"No window of fastest loss reduction: {window.reason}."
-    rows = [
-        (
-            layer.name,
-            layer.verdict,
-            layer.signature,
-            layer.peak_step,
-            layer.peak_over_plateau,
-            layer.peak_over_start,
-            layer.nonmonotonicity,
-            layer.residual_area,
-            layer.snr,
-            layer.peak_in_window,
-            layer.reason,
-        )
-        for layer in report.layers
-    ]
-    classes = ["flag" if layer.overshoot else "" for layer in report.layers]
-    header = (
-        "layer",
-        "verdict",
-        "paper signature",
-        "peak step",
-        "peak / plateau",
-        "peak / start",
-        "non-monotonicity",
-        "isotonic residual area",
-        "SNR",
-        "peak in window",
-        "reason",
-    )
-    thresholds = ", ".join(f"{k}={v}" for k, v in report.to_dict()["thresholds"].items())
-    return (
-        f"<p>{html.escape(where)}</p>{html_table(header, rows, classes)}"
-        "<p class='note'>Magnitudes, whatever the verdict: peak / plateau and peak / start of "
-        "the smoothed norm, and the isotonic residual area (∫ |smoothed − best monotone fit| "
-        "over steps, in norm × steps; 0 for a monotone series).</p>"
-        f"<p class='note'>Thresholds: {html.escape(thresholds)}.</p>"
-    )
 
 
 def _run_section(
@@ -189,50 +141,20 @@ def _run_section(
     return "".join(parts)
 
 
-def _run_figures(run: Run, overshoot: OvershootReport | None) -> list[tuple[str, go.Figure]]:
-    """The figures of one run, ``(file-name key, figure)``: the loss, then group by group."""
-    window = loss_window(overshoot)
+def _run_figures(run: Run) -> list[tuple[str, go.Figure]]:
+    """The figures of one run, ``(file-name key, figure)``: the loss, then group by group, each
+    group's figure followed by its dedicated view's."""
     figures = []
+    marks = run_marks(run)
     if run.train_loss() is not None or run.heldout_loss() is not None:
-        figures.append(("loss", loss(run)))
+        figures.append(("loss", run_loss_figure(run, descent_window(marks))))
     for group in drawn_groups([run]):
-        if group == names.PLANE:
-            figures += _plane_figures(run)
-            continue
-        if group == names.HIDDEN_NORMS:  # marked with the overshoot verdicts
-            drawn = series_views(run, group, overshoot_peaks(overshoot))
-            figure = view_figure(drawn, title=group_title(group), window=window) if drawn else None
-        else:
-            drawn = series_views(run, group)
-            figure = view_figure(drawn, title=group_title(group)) if drawn else None
-        if figure is not None:
-            figures.append((slug(group), figure))
-        images = decoded_images(run) if group == names.BIAS_COMPONENT else None
-        if images is not None:
-            panels = {layer: (images, layer) for layer in images.layers}
-            title = "Decoded examples: full, bias-only and remainder-only, per layer"
-            figures.append(("decoded-images", decoded_images_figure(panels, title=title)))
-        density = density_rows(run) if group == names.HESSIAN else None
-        if density is not None:
-            figures.append(("spectral-density", density_figure({"": density})))
-    return figures
-
-
-def _plane_figures(run: Run) -> list[tuple[str, go.Figure]]:
-    # The GradientPlane probe records the coordinates (a, b) of θt − θ0 on the plane of initial
-    # gradients and the norm r of its part orthogonal to the plane.
-    plane = run.recorded(names.PLANE)
-    if plane is None or names.PLANE_A not in plane.values or names.PLANE_B not in plane.values:
-        return []
-    figures = [("plane-path", plane_path(run))]
-    if names.PLANE_R in plane.values:
-        figures.append(("plane-share", plane_share(run)))
-    if names.PLANE_END_STEPS in run.vector_names:  # GradientPlane(at_end=True); needs torch
-        from dynamics.analysis.plane_report import heatmap_figure
-        from dynamics.analysis.plane_views import recorded_views
-
-        views = recorded_views(run)
-        figures += [("plane-heatmaps", heatmap_figure(views))] if views else []
+        mark = marks.get(group, Marks())
+        drawn = drawn_series(run, group, mark)
+        if drawn:
+            title = group_title(group)
+            figures.append((slug(group), view_figure(drawn, title=title, window=mark.window)))
+        figures += dedicated_view(group).run_figures(run)
     return figures
 
 

@@ -16,6 +16,8 @@ of rows at a time, so a caller can write each chunk as it is finished.
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -25,7 +27,7 @@ import h5py
 import numpy as np
 
 from dynamics.analysis.output import PLANE_GRID_SCHEMA, replacing
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 from dynamics.geometry.landscape import (
     LossSurface,
     PlaneView,
@@ -49,11 +51,17 @@ from dynamics.geometry.plane import (
     random_filter_normalized_plane,
 )
 from dynamics.store import Run, names
+from dynamics.system import check_fits
 
 #: The planes ``dynamics plane --plane`` offers; ``auto`` is ``gradients`` unless they coincide.
 PLANE_CHOICES = ("auto", "gradients", "gradient-endpoints", "pca", "random")
 #: Largest entry-wise difference between a stored basis and the chosen one that is the same plane.
 SAME_BASIS_TOLERANCE = 1e-9
+#: Float64 arrays a grid point costs at least: the losses of two views per run, and the
+#: coordinates of a mesh (what :func:`check_grid_side` asks the memory for).
+GRID_ARRAYS = 6
+#: The largest margin around the trajectories: a grid 201 times their range shows them as a dot.
+MAX_MARGIN = 100.0
 _LABELS = {
     "gradients": "initial-gradient plane",
     "gradient-endpoints": "plane of g0 and the endpoints' direction",
@@ -97,6 +105,68 @@ def plane_label(plane: Plane) -> str:
     return _LABELS.get(plane.kind, plane.kind)
 
 
+def check_plane_settings(
+    plane: str = "auto",
+    grid_side: int = 41,
+    margin: float = 0.25,
+    coarse: int | None = None,
+    processes: int | None = None,
+) -> None:
+    """Refuse settings of :func:`~dynamics.analysis.pages.plane.write_plane` that cannot work,
+    before any run is read: the one place these values are checked.
+
+    Raises:
+        ParameterError: naming ``plane`` (not one of :data:`PLANE_CHOICES`), ``grid_side``
+            (below 2, or a grid that cannot fit in the memory available), ``margin`` (not a
+            number from 0 to :data:`MAX_MARGIN`), ``coarse`` (not from 2 to ``grid_side``) or
+            ``processes`` (not from 1 to this machine's cores).
+
+    Example::
+
+        check_plane_settings(grid_side=41, coarse=9)  # fine
+        check_plane_settings(grid_side=1)  # ParameterError: grid_side must be at least 2, got 1
+    """
+    check_plane_kind(plane)
+    check_grid_side(grid_side)
+    if not (math.isfinite(margin) and 0 <= margin <= MAX_MARGIN):
+        raise ParameterError("margin", f"must be a number from 0 to {MAX_MARGIN}, got {margin}")
+    if coarse is not None and not 2 <= coarse <= grid_side:
+        raise ParameterError(
+            "coarse", f"must be between 2 and the grid side ({grid_side}), got {coarse}"
+        )
+    cores = os.cpu_count() or 1
+    if processes is not None and not 1 <= processes <= cores:
+        raise ParameterError(
+            "processes",
+            f"must be at least 1 and at most this machine's {cores} cores, got {processes}",
+        )
+
+
+def check_plane_kind(kind: str) -> None:
+    """Refuse a plane that is not one of :data:`PLANE_CHOICES`.
+
+    Raises:
+        ParameterError: naming ``plane``.
+    """
+    if kind not in PLANE_CHOICES:
+        raise ParameterError("plane", f"must be one of {', '.join(PLANE_CHOICES)}, got {kind!r}")
+
+
+def check_grid_side(grid_side: int) -> None:
+    """Refuse a grid of fewer than 2 points per axis, or one the memory available cannot hold
+    (:data:`GRID_ARRAYS` float64 arrays of its points at least).
+
+    Raises:
+        ParameterError: naming ``grid_side``.
+    """
+    if grid_side < 2:
+        raise ParameterError("grid_side", f"must be at least 2, got {grid_side}")
+    try:
+        check_fits(str(grid_side), GRID_ARRAYS * 8 * grid_side**2)
+    except DynamicsError as error:  # "<grid_side> needs at least ... GiB of memory; ..."
+        raise ParameterError("grid_side", str(error)) from None
+
+
 def choose_plane(
     run_a: Run, run_b: Run, kind: str = "auto", grid_side: int = 41, seed: int = 0
 ) -> ChosenPlane:
@@ -115,16 +185,20 @@ def choose_plane(
 
     Raises:
         DynamicsError: the runs share a name, differ in θ0 or parameter layout, lack what
-            the plane needs (g0, snapshots, θT), the plane is degenerate (e.g. collinear
-            gradients with ``kind="gradients"``), ``kind`` is unknown, or ``grid_side`` is
-            below 2.
+            the plane needs (g0, snapshots, θT), or the plane is degenerate (e.g. collinear
+            gradients with ``kind="gradients"``).
+        ParameterError: ``kind`` is unknown, or ``grid_side`` is below 2 (see
+            :func:`check_grid_side`).
+
+    Example::
+
+        chosen = choose_plane(open_run("runs/a.h5"), open_run("runs/b.h5"), "auto")
+        print(chosen.reason)
     """
-    if kind not in PLANE_CHOICES:
-        raise DynamicsError(f"--plane must be one of {', '.join(PLANE_CHOICES)}, got {kind!r}")
+    check_plane_kind(kind)
     if run_a.name == run_b.name:
         raise DynamicsError("the two runs need different names (file stems or run_name)")
-    if grid_side < 2:
-        raise DynamicsError(f"--grid must be at least 2, got {grid_side}")
+    check_grid_side(grid_side)
     runs = [run_a, run_b]
     theta0 = _check_comparable(runs)
     checkpoints = {r.name: stored_checkpoints(r) for r in runs}

@@ -9,7 +9,8 @@ chord, the largest L(α) − ((1 − α)·L(0) + α·L(1)), is 0 when the line n
 straight line joining its ends' losses (no bump between them) and positive when it climbs over
 a ridge.
 
-The loss is the one the plane views draw (:func:`~dynamics.analysis.plane_run.rebuilt_surface`):
+The loss is the one the plane views draw
+(:func:`~dynamics.analysis.measures.rebuilt_loss.rebuilt_surface`):
 the model rebuilt from the run file, in eval mode, on the stored probe batch, by the loss rule
 of :mod:`dynamics.passes.loss_rule`. A line between two runs uses the reference's model and probe
 batch, and each point the buffers (BatchNorm statistics) of the stored state of either run
@@ -30,7 +31,6 @@ few compressed bytes can declare gigabytes), against a bound tied to the runs' p
 
 from __future__ import annotations
 
-import html
 import os
 import pickle
 import re
@@ -41,11 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import plotly.graph_objects as go
 
-from dynamics.analysis.comparison import NOT_RECORDED, SAME, comparability
-from dynamics.analysis.figures import Curve, line_figure, run_colors
-from dynamics.analysis.page import figure_html, html_table
+from dynamics.analysis.measures.run_comparison import NOT_RECORDED, SAME, comparability
 from dynamics.errors import DynamicsError, one_line
 from dynamics.store import Run, names
 from dynamics.system import available_bytes
@@ -146,6 +143,10 @@ def load_batch(
         DynamicsError: no such file, one declaring more than the bound, not a file
             ``torch.save`` wrote, one holding other objects (pickled classes, named tuples,
             sizes, devices), no tensor at all or an empty one.
+
+    Example::
+
+        batch = load_batch("val.pt", runs)  # a file torch.save wrote
     """
     import torch
 
@@ -251,8 +252,14 @@ def loss_barriers(
 
     Raises:
         DynamicsError: ``points`` below 2, a rebuilt model cannot take ``held_out``
-            (:class:`~dynamics.analysis.plane_run.BatchRefused`), or a run's init args were
+            (:class:`~dynamics.analysis.measures.rebuilt_loss.BatchRefused`), or a run's init args
+            were
             neither recorded nor given (:class:`~dynamics.model.rebuild.MissingInitArgs`).
+
+    Example::
+
+        barriers = loss_barriers(runs, ["a", "b"], points=11)
+        [(line.name, line.above_chord) for line in barriers.lines]
     """
     if points < 2:
         raise DynamicsError(f"a loss-barrier line needs at least 2 points, got {points}")
@@ -273,7 +280,7 @@ def loss_barriers(
     if not candidates:
         return Barriers(lines, remarks)
     # Imported only now: a comparison of runs without lines to draw never loads torch.
-    from dynamics.analysis.plane_run import BatchRefused, rebuilt_surface
+    from dynamics.analysis.measures.rebuilt_loss import BatchRefused, rebuilt_surface
     from dynamics.model.probe_batch import probe_batch
     from dynamics.model.rebuild import MissingInitArgs, run_init_args
 
@@ -354,86 +361,6 @@ def loss_barriers(
             )
         )
     return Barriers(lines, remarks)
-
-
-def barrier_section(
-    barriers: Barriers, labels: Sequence[str], index: int
-) -> tuple[str, go.Figure | None]:
-    """The comparison page's section: the barrier heights as a table with the remarks, and
-    the figure of loss against α (None: no line), drawn as the page's figure ``index``."""
-    colors = dict(zip(labels, run_colors(len(labels))))
-    figure = _barrier_figure(barriers, colors)
-    section = "<h2>Loss barriers</h2>" + _barrier_html(barriers)
-    if figure is not None:
-        section += figure_html(figure, index)
-    return section, figure
-
-
-def _barrier_html(barriers: Barriers) -> str:
-    rows = [
-        (
-            line.name,
-            f"{line.losses[0]:.5g}",
-            f"{line.losses[-1]:.5g}",
-            f"{np.max(line.losses):.5g} (α = {line.peak_alpha:.2f})",
-            f"{line.above_chord:.4g}",
-            f"{line.barrier:.4g}",
-            line.batch,
-        )
-        for line in barriers.lines
-    ]
-    parts = []
-    if rows:
-        header = (
-            "line",
-            "loss at α = 0",
-            "loss at α = 1",
-            "max",
-            "barrier (height above the chord)",
-            "max − mean of the ends",
-            "batch",
-        )
-        parts.append(html_table(header, rows))
-        notes = dict.fromkeys(line.buffers for line in barriers.lines if line.buffers)
-        parts.append(
-            "<p class='note'>Loss at (1 − α)·start + α·end, the model rebuilt from the run "
-            "file in eval mode on the batch named in the table (a run's stored probe batch, "
-            "with that run's model, or a held-out batch); barrier: the largest height of "
-            "the loss above the straight line joining its ends' losses (0: no bump between "
-            "them); max − mean of the ends: the other common definition, which is half the "
-            "ends' difference on a line that only falls, with no bump at all. "
-            + " ".join(html.escape(note) for note in notes)
-            + "</p>"
-        )
-    parts += [f"<p class='note'>{html.escape(remark)}</p>" for remark in barriers.remarks]
-    return "".join(parts)
-
-
-def _barrier_figure(barriers: Barriers, colors: dict[str, str]) -> go.Figure | None:
-    """Loss against the interpolation coefficient α, one curve per line; None: no line.
-
-    ``colors`` maps a run's label to its colour; lines between two runs are dashed.
-    """
-    if not barriers.lines:
-        return None
-    curves = [
-        Curve(
-            line.name,
-            line.alphas,
-            line.losses,
-            colors.get(line.run),
-            dash="dash" if line.between_runs else "solid",
-            markers=True,
-        )
-        for line in barriers.lines
-    ]
-    title = "Loss along straight lines between parameters"
-    batches = {line.batch for line in barriers.lines}
-    if len(batches) == 1:  # a held-out batch, or one run's probe batch
-        title += f", on the {batches.pop()}"
-    figure = line_figure(curves, title=title, y_title="loss")
-    figure.update_xaxes(title_text="α (0: start, 1: end)")
-    return figure
 
 
 def _other_function(reference: Run, run: Run, labels: tuple[str, str]) -> str:

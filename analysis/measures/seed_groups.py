@@ -11,6 +11,10 @@ held-out values), the step where the other group overtakes for good, the median 
 the λ1 ratio (other / reference, when both recorded the Hessian), and per layer the overshoot
 magnitudes (peak / plateau, peak / start, isotonic residual area; other − reference). Across
 seeds each measure gets the statistics of :mod:`.paired_statistics`.
+
+A band over seeds (:func:`seed_band`) is the mean and the min–max envelope (not a confidence
+interval): each seed's series is read at the steps of the group's first seed inside the range
+all seeds cover (linear interpolation, exact when the schedules agree).
 """
 
 from __future__ import annotations
@@ -22,37 +26,40 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from dynamics.analysis.comparison import (
-    compared_loss,
-    eigenvalue_ratio,
-    finite,
-    loss_crossover,
-    smooth,
-)
-from dynamics.analysis.overshoot import OvershootReport
-from dynamics.analysis.paired_statistics import (
+from dynamics.analysis.measures.overshoot import OvershootReport
+from dynamics.analysis.measures.paired_statistics import (
     DIFFERENCE,
     RATIO,
     VALUE,
     PairedStatistic,
     paired_statistic,
 )
-from dynamics.analysis.run_views import run_overshoot
+from dynamics.analysis.measures.run_comparison import (
+    compared_loss,
+    eigenvalue_ratio,
+    finite,
+    loss_crossover,
+    smooth,
+)
+from dynamics.analysis.measures.run_series import run_overshoot
 from dynamics.errors import DynamicsError
-from dynamics.store import Run, open_run, other_output
+from dynamics.store import Metric, Run, open_run, other_output
 
 __all__ = [
     "Group",
     "GroupComparison",
     "compare_groups",
     "directory_groups",
+    "groups_json",
     "is_group_directory",
     "load_groups",
     "overtaking_step",
     "parse_group",
+    "seed_band",
 ]
 
 _SEED = re.compile(r"seed(\d+)$")
@@ -116,7 +123,12 @@ def is_group_directory(path: str | os.PathLike) -> bool:
 def directory_groups(path: str | os.PathLike) -> list[tuple[str, str]]:
     """``(variant, folder)`` of every subfolder of ``path`` that holds run files, by name,
     except that a baseline comes first: the one subfolder whose runs recorded a variant whose
-    setting is ``none`` in the config's ``variants`` (``unshifted: none``)."""
+    setting is ``none`` in the config's ``variants`` (``unshifted: none``).
+
+    Example::
+
+        load_groups(directory_groups("runs/reproduce/teacher_student"))
+    """
     path = Path(path)
     subfolders = sorted(sub for sub in path.iterdir() if sub.is_dir() and any(sub.glob("*.h5")))
     baseline = [sub for sub in subfolders if _is_baseline(sorted(sub.glob("*.h5"))[0])]
@@ -142,6 +154,10 @@ def load_groups(specs: Sequence[tuple[str, str | os.PathLike]]) -> list[Group]:
         DynamicsError: fewer than two groups, a name given twice, a group without run files,
             a run whose seed cannot be told, a seed twice in a group, or seeds that do not
             pair (named).
+
+    Example::
+
+        groups = load_groups([("base", "runs/base"), ("shifted", "runs/shifted/seed*.h5")])
     """
     if len(specs) < 2:
         raise DynamicsError(f"a grouped compare needs at least two groups, got {len(specs)}")
@@ -195,7 +211,13 @@ def _seed(run: Run) -> int:
 
 
 def compare_groups(groups: Sequence[Group]) -> list[GroupComparison]:
-    """Every group after the first against the first, measure by measure (module docstring)."""
+    """Every group after the first against the first, measure by measure (module docstring).
+
+    Example::
+
+        comparisons = compare_groups(groups)
+        [stat.measure for stat in comparisons[0].statistics]
+    """
     reference = groups[0]
     overshoots = {run.path: run_overshoot(run) for group in groups for run in group.runs.values()}
     comparisons = []
@@ -331,3 +353,39 @@ def _magnitude(
         return float(values[1] - values[0])
 
     return measure
+
+
+def groups_json(groups: Sequence[Group], comparisons: Sequence[GroupComparison]) -> dict[str, Any]:
+    """What ``dynamics compare --json`` prints: the groups' runs by seed and every statistic."""
+    return {
+        "reference": groups[0].name,
+        "groups": {
+            g.name: {str(seed): str(run.path) for seed, run in g.runs.items()} for g in groups
+        },
+        "comparisons": [
+            {
+                "reference": c.reference,
+                "other": c.other,
+                "statistics": [stat.to_dict() for stat in c.statistics],
+            }
+            for c in comparisons
+        ],
+    }
+
+
+def seed_band(metrics: list[Metric | None]) -> tuple[np.ndarray, ...] | None:
+    """``(steps, mean, low, high)`` over the seeds' series, or None unless every seed has
+    at least two finite records that overlap."""
+    if any(m is None for m in metrics):
+        return None
+    series = [finite(m.step, m.values) for m in metrics]
+    if any(len(values) < 2 for _, values in series):
+        return None
+    steps = series[0][0].astype(float)
+    start = max(s[0] for s, _ in series)
+    end = min(s[-1] for s, _ in series)
+    steps = steps[(steps >= start) & (steps <= end)]
+    if len(steps) < 2:
+        return None
+    table = np.stack([np.interp(steps, s, v) for s, v in series])
+    return steps, table.mean(0), table.min(0), table.max(0)

@@ -11,14 +11,10 @@ that plane, near 0 when it leaves it.
 
 from __future__ import annotations
 
-import html
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import plotly.graph_objects as go
 
-from dynamics.analysis.figures import Curve, line_figure
 from dynamics.errors import DynamicsError
 from dynamics.store import Run, names
 
@@ -53,6 +49,11 @@ def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | st
     Returns:
         The geometry, or one line saying why it cannot be measured (the runs do not share θ0
         or their parameters, or either stored no snapshots or θT).
+
+    Example::
+
+        geometry = displacement_geometry(open_run("runs/a.h5"), open_run("runs/b.h5"))
+        geometry.angle_deg[-1] if not isinstance(geometry, str) else geometry
     """
     if not reference.shares_theta0(run):
         return "the runs do not share θ0"
@@ -67,7 +68,7 @@ def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | st
             return f"{each.path.name}: no parameter snapshots or θT (ParameterDisplacement)"
     # Imported only now: they import torch, which a compare of runs without snapshots, like
     # every offline view, never loads.
-    from dynamics.analysis.plane_views import choose_plane, stored_checkpoints
+    from dynamics.analysis.measures.plane_grid import choose_plane, stored_checkpoints
     from dynamics.geometry.plane import in_plane_shares, project
 
     (steps_a, thetas_a), (steps_b, thetas_b) = map(stored_checkpoints, (reference, run))
@@ -89,72 +90,3 @@ def displacement_geometry(reference: Run, run: Run) -> DisplacementGeometry | st
         for s, thetas in ((steps_a, thetas_a), (steps_b, thetas_b))
     )
     return DisplacementGeometry(steps, cosine, in_plane)
-
-
-def displacement_cells(geometry: DisplacementGeometry | str) -> tuple[str, str, str]:
-    """The comparison table's cells: the final angle, and the run's and the reference's final
-    in-plane shares (or why they are missing)."""
-    if isinstance(geometry, str):
-        return (geometry, "", "")
-    angle = f"{geometry.angle_deg[-1]:.1f}° (step {geometry.steps[-1]})"
-    if not geometry.in_plane:
-        return (angle, geometry.plane_remark, "")
-    (_, reference), (_, run) = geometry.in_plane
-    return (angle, f"{run[-1]:.3g}", f"{reference[-1]:.3g}")
-
-
-def displacement_figures(
-    geometries: Sequence[DisplacementGeometry | str],
-    labels: Sequence[str],
-    colors: Sequence[str],
-) -> list[tuple[str, go.Figure]]:
-    """The angle between each run's displacement and the reference's over time, and the
-    in-plane shares over time; the figures that have any curve.
-
-    Args:
-        geometries: :func:`displacement_geometry` of each run after the reference.
-        labels: the runs' labels, the reference's first.
-        colors: the runs' colours, the reference's first.
-    """
-    angles, shares = [], []
-    for geometry, label, color in zip(geometries, labels[1:], colors[1:]):
-        if isinstance(geometry, str):
-            continue
-        angles.append(Curve(f"{label} vs {labels[0]}", geometry.steps, geometry.angle_deg, color))
-        plane = f"plane of {labels[0]}'s and {label}'s g0"
-        for (steps, share), who, shade in zip(
-            geometry.in_plane, (labels[0], label), (colors[0], color)
-        ):
-            dash = "solid" if who == label else "dot"
-            shares.append(Curve(f"{who} ({plane})", steps, share, shade, dash=dash, markers=True))
-    figures = []
-    if angles:
-        figures.append(
-            (
-                "displacement-angle",
-                line_figure(
-                    angles,
-                    title="Angle between the runs' displacements θt − θ0",
-                    y_title="angle (degrees)",
-                ),
-            )
-        )
-    if shares:
-        figures.append(
-            (
-                "in-plane-share",
-                line_figure(
-                    shares,
-                    title="In-plane share of ‖θt − θ0‖² on the initial-gradient plane",
-                    y_title="(a² + b²) / ‖θt − θ0‖²",
-                ),
-            )
-        )
-    return figures
-
-
-DISPLACEMENT_NOTE = html.escape(
-    "Displacement angle: between θt − θ0 of the run and of the reference at the last step both "
-    "stored θt (90° = orthogonal). In-plane share: (a² + b²)/‖θT − θ0‖² on the plane of the two "
-    "runs' initial gradients."
-)

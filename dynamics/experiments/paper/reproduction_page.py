@@ -16,11 +16,11 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dynamics import __version__
-from dynamics.analysis.claims import REPRODUCED, VERDICT_RULE, ClaimResult
 from dynamics.analysis.figures import run_colors
+from dynamics.analysis.measures.paired_statistics import RATIO
 from dynamics.analysis.output import write_atomically
-from dynamics.analysis.page import Written, figure_html, html_page, html_table, write_page
-from dynamics.analysis.paired_statistics import RATIO
+from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
+from dynamics.experiments.paper.claims import REPRODUCED, VERDICT_RULE, ClaimResult
 
 __all__ = ["CLAIMS_HEADER", "ExperimentRecord", "claim_rows", "write_reproduction"]
 
@@ -96,7 +96,15 @@ def write_reproduction(
     wall_s: float,
 ) -> tuple[Written, Path]:
     """Write the report to ``out`` (HTML, already checked) and its JSON beside it
-    (``out`` with suffix ``.json``); returns what was written and the JSON's path."""
+    (``out`` with suffix ``.json``); returns what was written and the JSON's path.
+
+    Example::
+
+        written, summary = write_reproduction(
+            results, records, Path("runs/reproduce/reproduce.html"),
+            command="dynamics reproduce --quick", mode="quick", wall_s=312.0,
+        )
+    """
     figures = [("claims", _claims_figure(results))] if _measured(results) else []
     body = [
         "<h1>dynamics: reproduction of seed 002's claims</h1>",

@@ -4,17 +4,14 @@
 runs of one architecture (one parameter layout) can then be asked whether their sharp
 directions are the same directions: ``‖V_aᵀ V_b‖²_F / k``
 (:mod:`dynamics.geometry.subspace_overlap`),
-1 for one subspace, about ``k/n`` for unrelated ones.
+1 for one subspace, about ``k/n`` for unrelated ones. Drawn by
+:mod:`dynamics.analysis.figures.eigenspace_overlap`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
-import plotly.graph_objects as go
 
-from dynamics.analysis.figures import Curve, line_figure
 from dynamics.geometry.subspace_overlap import subspace_overlap
 from dynamics.store import Run, names
 
@@ -24,6 +21,10 @@ def eigenspace_overlap(a: Run, b: Run) -> tuple[np.ndarray, np.ndarray] | None:
 
     None when either stored none, when their k differ, or when the parameter layouts differ
     (vectors of different parameters share no coordinates to compare).
+
+    Example::
+
+        steps, overlap = eigenspace_overlap(open_run("runs/a.h5"), open_run("runs/b.h5"))
     """
     # The stored layouts as text: Run.layout would import torch, which offline views never do.
     layout = a.attrs.get(names.ATTR_LAYOUT)
@@ -39,21 +40,3 @@ def eigenspace_overlap(a: Run, b: Run) -> tuple[np.ndarray, np.ndarray] | None:
     if not len(steps):
         return None
     return steps, np.array([subspace_overlap(va[i], vb[j]) for i, j in zip(ia, ib)])
-
-
-def eigenspace_overlap_figure(
-    runs: Sequence[Run], labels: Sequence[str], colors: Sequence[str]
-) -> go.Figure | None:
-    """Each run's eigenspace overlap with the first run's at matching steps; None if none."""
-    curves = []
-    for run, label, color in zip(runs[1:], labels[1:], colors[1:]):
-        overlap = eigenspace_overlap(runs[0], run)
-        if overlap is not None:
-            curves.append(Curve(f"{label} vs {labels[0]}", *overlap, color, markers=True))
-    if not curves:
-        return None
-    return line_figure(
-        curves,
-        title="Overlap of the runs' top-k Hessian eigenspaces at matching steps",
-        y_title="‖V_aᵀ V_b‖²_F / k",
-    )

@@ -1,5 +1,7 @@
 """Comparison of runs, as numbers: alignment by step, loss crossover, config differences and
-the ratio of top Hessian eigenvalues. No HTML and no plotting (see :mod:`.compare`).
+the ratio of top Hessian eigenvalues. No HTML and no plotting (the page is
+:mod:`dynamics.analysis.pages.run_comparison`, its figures
+:mod:`dynamics.analysis.figures.run_comparison`).
 
 Series are aligned by optimizer step: the other run is read at the reference's recorded steps
 inside the range both cover, linearly interpolated between its own records (exact where the
@@ -28,8 +30,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from dynamics.analysis.run_setup import data_text
-from dynamics.analysis.smoothing import moving_average
+from dynamics.analysis.measures.run_setup import data_text
+from dynamics.analysis.measures.smoothing import moving_average
 from dynamics.bias.audit_result import SETTINGS_KEY as AUDIT_SETTINGS_KEY
 from dynamics.store import Metric, Run, names
 
@@ -47,6 +49,7 @@ __all__ = [
     "comparability",
     "compared_loss",
     "config_differences",
+    "crossing_text",
     "crossover",
     "differing_keys",
     "eigenvalue_ratio",
@@ -186,6 +189,11 @@ def crossover(
 
     Returns:
         The crossover, or None when fewer than two aligned steps remain.
+
+    Example::
+
+        result = crossover(steps_a, loss_a, steps_b, loss_b, names=("a", "b"))
+        result.step, result.winner
     """
     sa, a = finite(step_a, loss_a)
     sb, b = finite(step_b, loss_b)
@@ -236,7 +244,12 @@ def compared_loss(reference: Run, other: Run) -> ComparedLoss | None:
 
 
 def loss_crossover(reference: Run, other: Run, names: tuple[str, str]) -> Crossover | None:
-    """:func:`crossover` of the two runs on their :func:`compared_loss`, or None."""
+    """:func:`crossover` of the two runs on their :func:`compared_loss`, or None.
+
+    Example::
+
+        loss_crossover(open_run("runs/a.h5"), open_run("runs/b.h5"), ("a", "b"))
+    """
     loss = compared_loss(reference, other)
     if loss is None:
         return None
@@ -318,6 +331,11 @@ def comparability(
         reference: one run; its values come first in every ``a vs b`` of the details.
         other: the other run.
         labels: the two runs' names, as the details name a run that lacks a record.
+
+    Example::
+
+        checks = comparability(open_run("runs/b.h5"), open_run("runs/a.h5"), ("b", "a"))
+        verdict(checks)  # 'comparable' or what differs
     """
     a, b = reference.attrs, other.attrs
     layout = _layout_check(a.get(names.ATTR_LAYOUT), b.get(names.ATTR_LAYOUT), labels)
@@ -626,3 +644,12 @@ def _text(value: Any) -> str:
 
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
+
+
+def crossing_text(result: Crossover) -> str:
+    """``between 100 and 200 (interpolated 185)``: the records bracket the crossing, and an
+    interpolated step alone would claim a precision evaluations every 100 steps do not have."""
+    lo, hi = result.bracket
+    if hi - lo <= 1:
+        return f"{result.step:.0f}"
+    return f"between {lo} and {hi} (interpolated {result.step:.0f})"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import html
 import os
-import re
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ __all__ = [
     "figure_html",
     "html_page",
     "html_table",
-    "slug",
     "write_page",
 ]
 
@@ -140,11 +138,6 @@ def write_page(
     if skipped:
         return Written(out, size, len(figures), static_skipped=skipped)
     return Written(out, size, len(figures), tuple(targets))
-
-
-def slug(text: str) -> str:
-    """``text`` as a file-name part: runs of other characters than ``A-Za-z0-9._-`` become _."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
 
 
 def _static_targets(

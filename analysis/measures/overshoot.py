@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from dynamics.analysis.smoothing import moving_average
+from dynamics.analysis.measures.smoothing import moving_average
 
 __all__ = [
     "LayerOvershoot",
@@ -243,6 +243,12 @@ def detect_overshoot(
     Raises:
         ValueError: On mismatched lengths, steps that are not finite and strictly increasing,
             non-numeric values, a wrong number of layer names, or an out-of-range threshold.
+
+    Example::
+
+        report = detect_overshoot(steps, norms, loss_steps=steps, loss=loss,
+                                  layer_names=["block1", "block2"])
+        [layer.verdict for layer in report.layers]  # ['overshoot', 'no_overshoot']
     """
     thresholds = OvershootThresholds(
         smooth_fraction=smooth_fraction,

@@ -3,8 +3,9 @@ decided by criteria fixed here, before any number is seen.
 
 Each claim is measured on one experiment's two groups (the reference, unshifted, and the
 shifted or adaptive one), paired by seed: one number per seed, the paired statistics of
-:mod:`.paired_statistics` across seeds, and per seed whether the number meets the claim's
-criterion. The verdict counts those seeds (:data:`VERDICT_RULE`); nothing is tuned to pass.
+:mod:`dynamics.analysis.measures.paired_statistics` across seeds, and per seed whether the
+number meets the claim's criterion. The verdict counts those seeds (:data:`VERDICT_RULE`);
+nothing is tuned to pass.
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from dynamics.analysis.displacement_geometry import DisplacementGeometry, displacement_geometry
-from dynamics.analysis.groups import Group, GroupComparison
-from dynamics.analysis.paired_statistics import (
+from dynamics.analysis.measures.displacement_geometry import (
+    DisplacementGeometry,
+    displacement_geometry,
+)
+from dynamics.analysis.measures.paired_statistics import (
     DIFFERENCE,
     RATIO,
     VALUE,
     PairedStatistic,
     paired_statistic,
 )
-from dynamics.analysis.run_views import run_overshoot
+from dynamics.analysis.measures.run_series import run_overshoot
+from dynamics.analysis.measures.seed_groups import Group, GroupComparison
 from dynamics.errors import DynamicsError
 from dynamics.store import Run, names
 
@@ -98,7 +102,8 @@ class Claim:
         figure: what is measured per seed, in words.
         criterion: what one seed's figure must show, in words.
         weaker: the weaker form that makes a "partly", or "".
-        kind: how the per-seed figures are summarized (:mod:`.paired_statistics`).
+        kind: how the per-seed figures are summarized
+            (:mod:`dynamics.analysis.measures.paired_statistics`).
         measure: ``(reference, other, comparison) -> {seed: Sample or why not}``.
         bounds: the numbers the criterion compares the figure with (drawn on the page).
     """
@@ -163,7 +168,14 @@ def evaluate_claims(
 ) -> list[ClaimResult]:
     """Every claim of :data:`CLAIMS`: measured on its experiment's groups when
     ``groups`` has them (``{experiment: ([reference, other], comparison)}``), else "not run"
-    with the reason ``not_run`` gives for the experiment."""
+    with the reason ``not_run`` gives for the experiment.
+
+    Example::
+
+        groups = load_groups(directory_groups("runs/reproduce/teacher_student"))
+        results = evaluate_claims({"teacher_student": (groups, compare_groups(groups)[0])})
+        [(r.claim.key, r.verdict) for r in results]
+    """
     results = []
     for claim in CLAIMS:
         if claim.experiment not in groups:

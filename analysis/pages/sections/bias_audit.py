@@ -1,25 +1,13 @@
-"""The bias audit a run recorded (the ``BiasAudit`` probe), as a report section."""
+"""The bias audit a run recorded, as a section of its report."""
 
 from __future__ import annotations
 
 import html
 
-from dynamics.analysis.page import html_table
-from dynamics.bias.audit_result import SETTINGS_KEY, AuditResult
-from dynamics.store import Run, names
+from dynamics.analysis.pages.page import html_table
+from dynamics.bias.audit_result import AuditResult
 
-__all__ = ["bias_audit_html", "recorded_audit"]
-
-
-def recorded_audit(run: Run) -> AuditResult | None:
-    """The audit stored in the run's probe settings, or ``None`` when no probe recorded one."""
-    for probe in run.attrs.get(names.ATTR_PROBES) or ():
-        stored = (
-            (probe.get("settings") or {}).get(SETTINGS_KEY) if isinstance(probe, dict) else None
-        )
-        if stored:
-            return AuditResult.from_dict(stored)
-    return None
+__all__ = ["bias_audit_html"]
 
 
 def bias_audit_html(audit: AuditResult) -> str:

@@ -4,10 +4,12 @@ The page holds a summary (final and best losses, crossover, λ1 ratio), the comp
 checks with one verdict per pair, each run's setup (module class and init args, layout,
 optimizer, scheduler, precision, data, probes), the overlaid loss and its smoothed difference
 with the crossover marked, λ1 and its ratio, every recorded series drawn as its view says
-(:func:`compared_view_figure`, each side-by-side panel titled by the run whose data it shows),
-the spectral densities side by side, the loss barriers between the runs' parameters
-(:mod:`dynamics.analysis.loss_barrier`), the overshoot verdicts and the configs. The numbers
-come from :mod:`dynamics.analysis.comparison`; the page from :mod:`dynamics.analysis.page`.
+(each side-by-side panel titled by the run whose data it shows) with what the group's
+dedicated view adds (:mod:`dynamics.analysis.figures.dedicated_views`: spectral densities side
+by side, eigenspace overlap, decoded images), the loss barriers between the runs' parameters
+(:mod:`dynamics.analysis.measures.loss_barrier`), the overshoot verdicts and the configs. The
+numbers come from :mod:`dynamics.analysis.measures.run_comparison`; the page from
+:mod:`dynamics.analysis.pages.page`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,23 @@ import numpy as np
 import plotly.graph_objects as go
 
 from dynamics import __version__
-from dynamics.analysis.comparison import (
+from dynamics.analysis.figures.dedicated_views import dedicated_view, drawn_series
+from dynamics.analysis.figures.displacement_geometry import displacement_figures
+from dynamics.analysis.figures.lines import run_colors
+from dynamics.analysis.figures.run_comparison import (
+    eigenvalue_ratio_figure,
+    loss_difference_figure,
+    top_eigenvalue_figure,
+)
+from dynamics.analysis.figures.runs import loss
+from dynamics.analysis.figures.series import compared_view_figure
+from dynamics.analysis.measures.displacement_geometry import (
+    DisplacementGeometry,
+    displacement_geometry,
+)
+from dynamics.analysis.measures.loss_barrier import POINTS, HeldOutBatch, loss_barriers
+from dynamics.analysis.measures.overshoot import OvershootReport
+from dynamics.analysis.measures.run_comparison import (
     DIFFERS,
     IGNORED_CONFIG_KEYS,
     NOT_RECORDED,
@@ -30,50 +48,32 @@ from dynamics.analysis.comparison import (
     SMOOTH_FRACTION,
     Check,
     Crossover,
-    align,
     comparability,
-    compared_loss,
+    crossing_text,
     differing_keys,
     eigenvalue_ratio,
     finite,
     loss_crossover,
     smooth,
-    top_eigenvalue,
     verdict,
 )
-from dynamics.analysis.decoded_images import decoded_images, decoded_images_figure
-from dynamics.analysis.displacement_geometry import (
-    DISPLACEMENT_NOTE,
-    DisplacementGeometry,
-    displacement_cells,
-    displacement_figures,
-    displacement_geometry,
-)
-from dynamics.analysis.eigenspace_overlap import eigenspace_overlap_figure
-from dynamics.analysis.figures import (
-    Curve,
-    compared_view_figure,
-    density_figure,
-    line_figure,
-    loss,
-    run_colors,
-)
-from dynamics.analysis.loss_barrier import POINTS, HeldOutBatch, barrier_section, loss_barriers
-from dynamics.analysis.output import check_output
-from dynamics.analysis.overshoot import OvershootReport
-from dynamics.analysis.page import Written, figure_html, html_page, html_table, slug, write_page
-from dynamics.analysis.report import overshoot_html
-from dynamics.analysis.run_setup import setup_rows
-from dynamics.analysis.run_views import (
-    density_rows,
+from dynamics.analysis.measures.run_series import (
     drawn_groups,
     group_title,
     run_labels,
     run_overshoot,
-    series_views,
 )
+from dynamics.analysis.measures.run_setup import setup_rows
+from dynamics.analysis.output import check_output, slug
+from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
+from dynamics.analysis.pages.sections.displacement_geometry import (
+    DISPLACEMENT_NOTE,
+    displacement_cells,
+)
+from dynamics.analysis.pages.sections.loss_barrier import barrier_section
+from dynamics.analysis.pages.sections.overshoot import overshoot_html
 from dynamics.errors import DynamicsError
-from dynamics.store import Metric, Run, names, open_run, run_files
+from dynamics.store import Metric, Run, open_run, run_files
 
 if TYPE_CHECKING:
     from dynamics.model.rebuild import RunInitArgs
@@ -102,18 +102,18 @@ def write_comparison(
         out_path: the HTML file to write (atomically).
         overwrite: replace an existing ``out_path`` (and existing static files).
         static_dir: also export every figure into this folder (see
-            :func:`dynamics.analysis.report.write_report`).
+            :func:`dynamics.analysis.pages.run_report.write_report`).
         static_format: ``"png"`` or ``"svg"``.
         barrier_points: points along each line of the loss barriers (0: none evaluated);
-            see :mod:`dynamics.analysis.loss_barrier`. A run whose model cannot be rebuilt
+            see :mod:`dynamics.analysis.measures.loss_barrier`. A run whose model cannot be rebuilt
             gets a one-line remark instead.
         model: build the runs' models with this class or factory instead of the recorded one
             (see :func:`~dynamics.model.rebuild.rebuild_module`).
         init_args: init args of the loss barriers' rebuilt models (see
-            :func:`~dynamics.analysis.loss_barrier.loss_barriers`).
+            :func:`~dynamics.analysis.measures.loss_barrier.loss_barriers`).
         trust_recorded_model: import a recorded class from outside the installed packages.
         barrier_batch: evaluate the loss barriers on this batch (see
-            :func:`~dynamics.analysis.loss_barrier.load_batch`) instead of the runs' stored
+            :func:`~dynamics.analysis.measures.loss_barrier.load_batch`) instead of the runs' stored
             probe batches.
 
     Returns:
@@ -124,6 +124,11 @@ def write_comparison(
             without a training or held-out loss, an output in a missing or unwritable folder,
             an existing output without ``overwrite``, an output that is one of the inputs, or
             a ``barrier_batch`` a rebuilt model cannot take. Nothing is written then.
+
+    Example::
+
+        write_comparison(["runs/demo/unshifted.h5", "runs/demo/shifted.h5"],
+                         "runs/demo/compare.html", barrier_points=0)
     """
     run_paths = run_files(run_paths)  # a directory gives its run files
     if len(run_paths) < 2:
@@ -327,21 +332,16 @@ def _figures(
 ) -> list[tuple[str, go.Figure]]:
     colors = run_colors(len(runs))
     figures = [("loss", loss(runs, labels=labels))]
-    difference = _difference_figure(runs, labels, colors)
-    if difference is not None:
-        figures.append(("loss-difference", difference))
-    figures += displacement_figures(geometries, labels, colors)
-    top = [(label, color, top_eigenvalue(run)) for run, label, color in zip(runs, labels, colors)]
-    curves = [Curve(label, m.step, m.values, color) for label, color, m in top if m is not None]
-    if curves:
-        figure = line_figure(curves, title="Top Hessian eigenvalue λ1", y_title="λ1", log_y=True)
-        figures.append(("top-eigenvalue", figure))
-    ratio = _ratio_figure(runs, labels, colors)
-    if ratio is not None:
-        figures.append(("eigenvalue-ratio", ratio))
+    compared = (
+        ("loss-difference", loss_difference_figure(runs, labels, colors)),
+        *displacement_figures(geometries, labels, colors),
+        ("top-eigenvalue", top_eigenvalue_figure(runs, labels, colors)),
+        ("eigenvalue-ratio", eigenvalue_ratio_figure(runs, labels, colors)),
+    )
+    figures += [(key, figure) for key, figure in compared if figure is not None]
     for group in drawn_groups(runs):
         drawn = [
-            (label, color, series_views(run, group))
+            (label, color, drawn_series(run, group))
             for run, label, color in zip(runs, labels, colors)
         ]
         drawn = [entry for entry in drawn if entry[2]]
@@ -352,89 +352,8 @@ def _figures(
                 colors=[color for _, color, _ in drawn],
             )
             figures.append((slug(group), figure))
-        if group == names.BIAS_COMPONENT:
-            figures += _decoded_images_figures(runs, labels)
-        if group == names.HESSIAN:
-            densities = {label: density_rows(run) for run, label in zip(runs, labels)}
-            densities = {label: rows for label, rows in densities.items() if rows is not None}
-            if densities:
-                figures.append(("spectral-density", density_figure(densities)))
-            overlap = eigenspace_overlap_figure(runs, labels, colors)
-            if overlap is not None:
-                figures.append(("eigenspace-overlap", overlap))
+        figures += dedicated_view(group).compared_figures(runs, labels, colors)
     return figures
-
-
-def _decoded_images_figures(runs: list[Run], labels: list[str]) -> list[tuple[str, go.Figure]]:
-    """Per layer, the runs' decoded examples side by side."""
-    stored = [(label, decoded_images(run)) for run, label in zip(runs, labels)]
-    stored = [(label, images) for label, images in stored if images is not None]
-    layers = dict.fromkeys(layer for _, images in stored for layer in images.layers)
-    return [
-        (
-            f"decoded-images-{slug(layer)}",
-            decoded_images_figure(
-                {label: (images, layer) for label, images in stored if layer in images.layers},
-                title=f"Decoded examples at {layer}: full, bias-only and remainder-only",
-            ),
-        )
-        for layer in layers
-    ]
-
-
-def _difference_figure(runs: list[Run], labels: list[str], colors: list[str]) -> go.Figure | None:
-    curves, crossings = [], []
-    for run, label, color in zip(runs[1:], labels[1:], colors[1:]):
-        loss = compared_loss(runs[0], run)
-        if loss is None:
-            continue
-        (sa, a), (sb, b) = (finite(m.step, m.values) for m in (loss.reference, loss.other))
-        steps, a, b = align(sa, smooth(a), sb, smooth(b))
-        curves.append(Curve(f"{label} − {labels[0]} ({loss.metric})", steps, b - a, color))
-        result = loss_crossover(runs[0], run, (labels[0], label))
-        if result is not None and result.step is not None:
-            crossings.append((result, color, label))
-    if not curves:
-        return None
-    figure = line_figure(
-        curves,
-        title="Smoothed loss difference (below zero: ahead of the reference)",
-        y_title="Δ loss",
-    )
-    figure.add_hline(y=0, line_color="black", line_width=1)
-    for result, color, label in crossings:
-        lo, hi = result.bracket
-        where = crossing_text(result)
-        if hi - lo > 1:  # the records' interval, where the crossing lies
-            figure.add_vrect(x0=lo, x1=hi, fillcolor=color, opacity=0.12, line_width=0)
-        else:
-            where = f"at {where}"
-        figure.add_vline(
-            x=result.step,
-            line_dash="dot",
-            line_color=color,
-            annotation_text=f"{label} overtakes {where}",
-            annotation_font_size=10,
-        )
-    return figure
-
-
-def _ratio_figure(runs: list[Run], labels: list[str], colors: list[str]) -> go.Figure | None:
-    curves = []
-    for run, label, color in zip(runs[1:], labels[1:], colors[1:]):
-        ratio = eigenvalue_ratio(runs[0], run)
-        if ratio is not None:
-            curves.append(Curve(f"{label} / {labels[0]}", *ratio, color))
-    if not curves:
-        return None
-    figure = line_figure(
-        curves,
-        title="Ratio of top Hessian eigenvalues over time",
-        y_title="λ1 ratio",
-        log_y=True,
-    )
-    figure.add_hline(y=1, line_color="black", line_width=1)
-    return figure
 
 
 def _final_and_best(metric: Metric | None, diverged_at: int | None) -> tuple[str, str]:
@@ -499,15 +418,6 @@ def _crossover_cells(result: Crossover | None) -> tuple[str, ...]:
         result.winner or "tie",
         f"{result.final_gap:.4g} ({result.final_gap_relative:.1%})",
     )
-
-
-def crossing_text(result: Crossover) -> str:
-    """``between 100 and 200 (interpolated 185)``: the records bracket the crossing, and an
-    interpolated step alone would claim a precision evaluations every 100 steps do not have."""
-    lo, hi = result.bracket
-    if hi - lo <= 1:
-        return f"{result.step:.0f}"
-    return f"between {lo} and {hi} (interpolated {result.step:.0f})"
 
 
 def _ratio_cells(ratio: tuple[np.ndarray, np.ndarray]) -> tuple[str, str, str]:

@@ -2,37 +2,43 @@
 readers of :class:`~dynamics.store.Run`.
 
 Every series that declares a view is drawn from it (:func:`series_views`), except those a
-dedicated view draws: the training and held-out loss (the loss figure, with the crossover in a
-comparison), the plane coordinates (path and in-plane share, which declare no view) and the
-spectral density (:func:`density_rows`). The hidden-state norms are drawn from their view with
-the overshoot verdicts marked on them (:func:`run_overshoot`).
+dedicated view draws instead (the table of :mod:`dynamics.analysis.figures.dedicated_views`
+says which). The numbers dedicated views mark or draw are here too: a run's overshoot verdicts
+(:func:`run_overshoot`) with their peaks and loss window, and its spectral density
+(:func:`density_rows`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import os
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from dynamics.analysis.overshoot import OvershootReport, detect_overshoot
+from dynamics.analysis.measures.overshoot import OvershootReport, detect_overshoot
 from dynamics.errors import DynamicsError
-from dynamics.store import Run, View, names
+from dynamics.store import Run, View, names, open_run
 
 __all__ = [
     "STANDARD_GROUPS",
     "Peak",
+    "RunLike",
     "SeriesView",
-    "dedicated_series",
     "density_rows",
     "drawn_groups",
+    "given_labels",
     "group_title",
     "loss_window",
+    "open_runs",
     "overshoot_peaks",
     "run_labels",
     "run_overshoot",
     "series_views",
 ]
+
+#: A run for the views of runs: an open :class:`~dynamics.store.Run`, or the path of its file.
+RunLike = Run | str | os.PathLike
 
 #: The standard probes' groups, in the order pages draw them; other groups follow by name.
 STANDARD_GROUPS = (
@@ -98,30 +104,29 @@ def group_title(group: str) -> str:
     return group.replace("_", " ").capitalize()
 
 
-def dedicated_series(run: Run) -> set[tuple[str, str]]:
-    """``(group, series)`` drawn by the loss figure rather than from their views."""
-    drawn = {(names.LOSS, names.LOSS_TRAIN)}
-    heldout = run.heldout_loss()
-    if heldout is not None:
-        drawn.add((names.VALIDATION, heldout.name))
-    return drawn
-
-
 def series_views(
-    run: Run, group: str, peaks: Mapping[str, Sequence[Peak]] | None = None
+    run: Run,
+    group: str,
+    peaks: Mapping[str, Sequence[Peak]] | None = None,
+    skip: Collection[str] = (),
 ) -> list[SeriesView]:
-    """Every series of ``group`` that declares a view and no dedicated view draws.
+    """Every series of ``group`` that declares a view, but those in ``skip``.
 
     Args:
         run: the run.
         group: one of its groups (or any name: a group it did not record has no series).
         peaks: ``{series: overshoot peaks}`` to mark on it.
+        skip: series of the group a dedicated view draws instead.
 
     Raises:
         RunFileError: the group's data cannot be read (a damaged file).
+
+    Example::
+
+        views = series_views(open_run("runs/demo/shifted.h5"), "hessian")
+        [view.name for view in views]  # ['eigenvalues', 'residuals', ...]
     """
-    skip = dedicated_series(run)
-    views = {n: v for n, v in run.views(group).items() if (group, n) not in skip}
+    views = {n: v for n, v in run.views(group).items() if n not in skip}
     rows = run.recorded(group) if views else None
     if rows is None:
         return []
@@ -156,6 +161,10 @@ def run_overshoot(run: Run) -> OvershootReport | None:
 
     Raises:
         DynamicsError: the norms cannot be judged (e.g. too few records).
+
+    Example::
+
+        report = run_overshoot(open_run("runs/demo/shifted.h5"))
     """
     norms = run.recorded(names.HIDDEN_NORMS)
     if norms is None or names.HIDDEN_NORM not in norms.values:
@@ -185,3 +194,30 @@ def loss_window(report: OvershootReport | None) -> tuple[float, float] | None:
     """``(start, end)`` step of the window of fastest loss reduction, when one was found."""
     window = report.loss_window if report else None
     return (window.start_step, window.end_step) if window and window.found else None
+
+
+def open_runs(runs: RunLike | Sequence[RunLike]) -> list[Run]:
+    """One run or several, each open (a path is opened).
+
+    Raises:
+        DynamicsError: no run given, or a path that is not a readable run file.
+    """
+    if isinstance(runs, Run | str | os.PathLike):
+        runs = [runs]
+    opened = [run if isinstance(run, Run) else open_run(run) for run in runs]
+    if not opened:
+        raise DynamicsError("no run given")
+    return opened
+
+
+def given_labels(runs: list[Run], labels: Sequence[str] | None) -> list[str]:
+    """The labels given for ``runs``, or :func:`run_labels` of them when none are.
+
+    Raises:
+        DynamicsError: as many labels as runs were not given.
+    """
+    if labels is None:
+        return run_labels(runs)
+    if len(labels) != len(runs):
+        raise DynamicsError(f"{len(labels)} labels for {len(runs)} runs")
+    return list(labels)

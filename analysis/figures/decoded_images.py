@@ -1,66 +1,25 @@
-"""The decoded images :class:`~dynamics.callbacks.BiasComponent` stores: per layer, the full,
-bias-only and remainder-only decodes of a few fixed examples at thinned steps, beside their
-targets (seed 002, Fig. 5).
+"""The decoded images a run stores (:mod:`dynamics.analysis.measures.decoded_images`) as
+mosaics.
 
-Each figure is a mosaic per panel: the target row on top, then for each shown step the full
-decode, the bias-only decode and the remainder-only decode, one column per example, all on one
-grey scale (the targets' range) so a dim decode looks dim. The report draws one figure per run
-with a panel per layer; the comparison one figure per layer with a panel per run, side by side.
+Each panel is a mosaic: the target row on top, then for each shown step the full decode, the
+bias-only decode and the remainder-only decode, one column per example, all on one grey scale
+(the targets' range) so a dim decode looks dim. The report draws one figure per run with a panel
+per layer; the comparison one figure per layer with a panel per run, side by side.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dynamics.store import Run, names
+from dynamics.analysis.measures.decoded_images import DECODES, DecodedImages, shown_rows
 
-__all__ = ["DECODES", "DecodedImages", "decoded_images", "decoded_images_figure", "shown_rows"]
+__all__ = ["decoded_images_figure"]
 
-#: The decodes of a stored row, in their stored order.
-DECODES = ("full", "bias-only", "remainder-only")
 _TILE_PX = 16  # screen pixels per image pixel (8×8 digits: 128 px tiles)
-
-
-@dataclass(frozen=True)
-class DecodedImages:
-    """One run's stored decodes.
-
-    Attributes:
-        layers: the split layers.
-        step: steps of the stored rows, shape (n,).
-        decodes: shape (n, layers, 3 decodes, examples, C, H, W).
-        target: the examples' targets, shape (examples, C, H, W).
-    """
-
-    layers: tuple[str, ...]
-    step: np.ndarray
-    decodes: np.ndarray
-    target: np.ndarray
-
-
-def decoded_images(run: Run) -> DecodedImages | None:
-    """The decoded images ``run`` stores, or None when it stores none."""
-    rows = run.recorded(names.BIAS_COMPONENT_IMAGES)
-    target = run.vector(names.BIAS_COMPONENT_TARGET)
-    if rows is None or target is None:
-        return None
-    layers = run.columns(names.BIAS_COMPONENT, "bias_share")
-    return DecodedImages(layers, rows.step, rows[names.BIAS_COMPONENT_DECODES], target)
-
-
-def shown_rows(step: np.ndarray) -> list[int]:
-    """Indices of the rows shown: early (the first after step 0), middle (the median of the
-    rows after it: :class:`~dynamics.callbacks.BiasComponent` spaces rows geometrically, so
-    its step is near the geometric mean of the others) and late (the last); fewer when fewer
-    rows are stored."""
-    last = len(step) - 1
-    early = min(1, last)
-    return sorted({early, (early + last) // 2, last})
 
 
 def decoded_images_figure(
@@ -75,6 +34,11 @@ def decoded_images_figure(
         panels: what each panel shows: a run's images and one of its layers.
         title: the figure's title.
         rows: indices of the stored rows to show (default :func:`shown_rows` of each panel).
+
+    Example::
+
+        images = decoded_images(open_run("runs/autoencoder.h5"))
+        decoded_images_figure({layer: (images, layer) for layer in images.layers}, title="Decodes")
     """
     figure = make_subplots(
         rows=1, cols=len(panels), subplot_titles=list(panels), horizontal_spacing=0.08
