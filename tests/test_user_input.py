@@ -185,7 +185,7 @@ def test_every_output_is_locked_before_the_first_variant_trains(tmp_path, capsys
         (["--span", "1e308"], "--span must be a number from 0 to 100.0"),
         (["--grid", "100000"], "--grid 100000 needs at least"),
         (["--grid", "1"], "--grid must be at least 2"),
-        (["--coarse", "1"], "--coarse must be between 2 and --grid"),
+        (["--coarse", "1"], "--coarse must be between 2 and the grid side"),
         (["--processes", "0"], "--processes must be at least 1"),
         (["--processes", "100000"], "--processes must be at least 1 and at most"),
         (["--init-args", "[1]"], "--init-args must be a JSON object"),

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from dynamics.cli.common import check_range, model_arguments, run_init_args
-from dynamics.errors import DynamicsError
-
-#: The largest ``--span``: a grid 201 times the trajectories' range already shows them as a dot.
-_MAX_SPAN = 100.0
-#: Float64 arrays a plane grid point costs at least: the losses of two views per run, and the
-#: coordinates of a mesh.
-_GRID_ARRAYS = 6
+from dynamics.cli.common import model_arguments, run_init_args
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -60,7 +52,6 @@ def handle(args: argparse.Namespace) -> int:
     """Write the plane's page and grids; print its remarks and notes."""
     from dynamics.analysis.pages.plane import write_plane
 
-    _check_before_any_file(args)
     init_args = run_init_args(args.init_args)
     written = write_plane(
         args.run_a,
@@ -83,21 +74,3 @@ def handle(args: argparse.Namespace) -> int:
         print(f"{note}: {value:.4f}")
     print(f"wrote {written.html} (grids and trajectories in {written.results})")
     return 0
-
-
-def _check_before_any_file(args: argparse.Namespace) -> None:
-    """The checks write_plane does not make before it claims its outputs and opens the runs
-    (it checks ``coarse`` and ``processes`` >= 1 first itself); they move into it when it
-    makes them first, and then its ParameterError names the flag (``FLAG_OF``)."""
-    from dynamics.system import check_fits
-
-    if args.grid < 2:
-        raise DynamicsError(f"--grid must be at least 2, got {args.grid}")
-    check_fits(f"--grid {args.grid}", _GRID_ARRAYS * 8 * args.grid**2)
-    check_range("--span", args.span, 0, _MAX_SPAN)
-    cores = os.cpu_count() or 1
-    if args.processes is not None and args.processes > cores:
-        raise DynamicsError(
-            f"--processes must be at least 1 and at most this machine's {cores} cores, "
-            f"got {args.processes}"
-        )
