@@ -15,8 +15,7 @@ the model rebuilt from the run file, in eval mode, on the stored probe batch, by
 of :mod:`dynamics.passes.loss_rule`. A line between two runs uses the reference's model and probe
 batch, and each point the buffers (BatchNorm statistics) of the stored state of either run
 nearest to it (:mod:`dynamics.geometry.nearest_buffers`), so each end is evaluated with its own
-run's
-final buffers; it is drawn only for runs whose recorded models agree in class, model edits and
+run's final buffers; it is drawn only for runs whose recorded models agree in class, model edits and
 submodules (a shifted and an unshifted network are two loss functions: no line joins them in
 one). A run whose model cannot be rebuilt, that stores no probe batch, θ0 or θT, or whose
 training diverged (θT not finite), gets a one-line remark instead of its lines; the comparison
@@ -253,8 +252,7 @@ def loss_barriers(
     Raises:
         DynamicsError: ``points`` below 2, a rebuilt model cannot take ``held_out``
             (:class:`~dynamics.analysis.measures.rebuilt_loss.BatchRefused`), or a run's init args
-            were
-            neither recorded nor given (:class:`~dynamics.model.rebuild.MissingInitArgs`).
+            were neither recorded nor given (:class:`~dynamics.model.rebuild.MissingInitArgs`).
 
     Example::
 

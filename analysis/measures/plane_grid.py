@@ -6,8 +6,7 @@ coincide, or when asked — the plane of the initial gradient and the direction 
 endpoints, a PCA plane of both runs' snapshots, or a random filter-normalized plane.
 Trajectories come from the run files (snapshots, θT); heatmaps and losses from a
 :class:`~dynamics.geometry.landscape.LossSurface` per run (a model rebuilt offline), or from the
-views a
-run evaluated in its training process at the end of fit (``GradientPlane(at_end=True)``).
+views a run evaluated in its training process at the end of fit (``GradientPlane(at_end=True)``).
 
 Views are planned first (planes, grids, trajectories), then their grids are evaluated a chunk
 of rows at a time, so a caller can write each chunk as it is finished.

@@ -1,10 +1,9 @@
 """The loss of a run's model rebuilt from its file: what the plane views and the loss barriers
 evaluate.
 
-The model is rebuilt (:func:`~dynamics.model.rebuild.rebuild_module`) in eval mode, its loss taken
-by
-the rule of :mod:`dynamics.passes.loss_rule` on the run's stored probe batch (or a given one), each
-point with the buffers (BatchNorm statistics) of the nearest stored state
+The model is rebuilt (:func:`~dynamics.model.rebuild.rebuild_module`) in eval mode, its loss
+taken by the rule of :mod:`dynamics.passes.loss_rule` on the run's stored probe batch (or a given
+one), each point with the buffers (BatchNorm statistics) of the nearest stored state
 (:mod:`dynamics.geometry.nearest_buffers`).
 """
 

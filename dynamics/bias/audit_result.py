@@ -1,6 +1,5 @@
 """The bias audit's result (:func:`dynamics.bias.auditing`): dataclasses, their rendering as lines
-and
-tables, and their JSON form.
+and tables, and their JSON form.
 
 Torch-free, so that ``dynamics report`` shows an audit a run recorded without importing torch.
 """

@@ -64,8 +64,7 @@ def top_eigenvalues(
         seed: seed of the random start vectors (the global RNG is not used).
         module: the module ``loss_fn`` runs through; if given, the computation runs inside
             :func:`~dynamics.passes.isolation.side_effect_free`, so dropout draws, BatchNorm buffers
-            and
-            train/eval flags are as before. ``.grad`` is never changed, module or not.
+            and train/eval flags are as before. ``.grad`` is never changed, module or not.
         average_across_ranks: take the Hessian of the loss averaged over the ranks of the
             initialised ``torch.distributed`` group (every rank must call this).
         backend: the old name of ``solver`` (accepted for this release, with a warning).
