@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from dynamics.analysis.measures.smoothing import moving_average
+from dynamics.analysis.measures.smoothing import SMOOTH_FRACTION, moving_average
 
 __all__ = [
     "LayerOvershoot",
@@ -54,7 +54,7 @@ class OvershootThresholds:
             least this fraction of the steepest slope (0.5: full width at half maximum).
     """
 
-    smooth_fraction: float = 0.02
+    smooth_fraction: float = SMOOTH_FRACTION
     tail_fraction: float = 0.2
     min_points: int = 10
     min_snr: float = 5.0
@@ -198,6 +198,10 @@ class OvershootReport:
         }
 
 
+#: The thresholds' defaults, written once (in the class), which detect_overshoot's keywords take.
+_DEFAULTS = OvershootThresholds()
+
+
 def detect_overshoot(
     steps: ArrayLike,
     norms: ArrayLike,
@@ -205,13 +209,13 @@ def detect_overshoot(
     loss_steps: ArrayLike | None = None,
     loss: ArrayLike | None = None,
     layer_names: list[str] | tuple[str, ...] | None = None,
-    smooth_fraction: float = 0.02,
-    tail_fraction: float = 0.2,
-    min_points: int = 10,
-    min_snr: float = 5.0,
-    min_nonmonotonicity: float = 0.02,
-    min_relative_drop: float = 0.01,
-    window_fraction: float = 0.5,
+    smooth_fraction: float = _DEFAULTS.smooth_fraction,
+    tail_fraction: float = _DEFAULTS.tail_fraction,
+    min_points: int = _DEFAULTS.min_points,
+    min_snr: float = _DEFAULTS.min_snr,
+    min_nonmonotonicity: float = _DEFAULTS.min_nonmonotonicity,
+    min_relative_drop: float = _DEFAULTS.min_relative_drop,
+    window_fraction: float = _DEFAULTS.window_fraction,
 ) -> OvershootReport:
     """Judge each norm series for a rise-then-fall overshoot, and place its peak in the loss.
 

@@ -31,7 +31,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dynamics.analysis.measures.run_setup import data_text
-from dynamics.analysis.measures.smoothing import moving_average
+from dynamics.analysis.measures.smoothing import SMOOTH_FRACTION, moving_average
 from dynamics.bias.audit_result import SETTINGS_KEY as AUDIT_SETTINGS_KEY
 from dynamics.store import Metric, Run, names
 
@@ -63,7 +63,6 @@ __all__ = [
 
 #: Smoothing half-width as a fraction of a loss series' records: about 4% of the run per window,
 #: the scale the overshoot detector smooths on as well.
-SMOOTH_FRACTION = 0.02
 #: Config keys (at any depth) that name the variant rather than change the experiment.
 IGNORED_CONFIG_KEYS = frozenset({"variant", "shift", "run_name"})
 #: The statuses of a :class:`Check`.

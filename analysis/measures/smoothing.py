@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+#: Half-width of the moving average, as a fraction of a series' records: the smoothing of the
+#: overshoot detector and of the comparisons alike (why 0.02: ``docs/overshoot.md``).
+SMOOTH_FRACTION = 0.02
+
 
 def moving_average(x: np.ndarray, half_width: int) -> np.ndarray:
     """Centred moving average over ``2 * half_width + 1`` records, truncated at the ends.
