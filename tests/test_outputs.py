@@ -94,7 +94,7 @@ def test_a_page_never_replaces_an_hdf5_file_and_a_grid_only_a_grid(tmp_path):
         file.attrs["schema"] = PLANE_GRID_SCHEMA
     for grid in ("old.h5", "new.h5"):
         assert check_output(tmp_path / grid, True, kind=PLANE_GRID_SCHEMA) == tmp_path / grid
-    with pytest.raises(DynamicsError, match="exists; pass --overwrite"):
+    with pytest.raises(DynamicsError, match="exists; pass overwrite to replace it"):
         check_output(tmp_path / "new.h5", False, kind=PLANE_GRID_SCHEMA)
 
 

@@ -209,7 +209,7 @@ def test_the_verdict_rule():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--only", "nope"], "--only: no experiment 'nope'"),
+        (["--only", "nope"], "--only names no experiment 'nope'"),
         (["--only", ","], "--only needs at least one experiment name"),
         (["--steps", "0"], "--steps must be a number from 1"),
         (["--jobs", "0"], "--jobs must be from 1 to"),

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dynamics.analysis.measures.run_comparison import NOT_RECORDED, SAME, comparability
-from dynamics.errors import DynamicsError, one_line
+from dynamics.errors import DynamicsError, ParameterError, one_line
 from dynamics.store import Run, names
 from dynamics.system import available_bytes
 
@@ -308,7 +308,8 @@ def loss_barriers(
             theta0, theta_final = _endpoints(run)
             surface, batch_name = surface_of(run, label)
         except MissingInitArgs as error:  # the user's input to complete: an error
-            raise MissingInitArgs(f"{error} (or --barrier-points 0: no loss barriers)") from None
+            none = ParameterError("barrier_points", "0: no loss barriers")
+            raise MissingInitArgs(f"{error} (or {none})").quoting(none) from None
         except DynamicsError as error:
             if held_out is not None and isinstance(error, BatchRefused):
                 raise  # the user's batch: an error, not a remark

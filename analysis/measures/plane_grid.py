@@ -213,8 +213,9 @@ def choose_plane(
                 )
             except CollinearGradients as error:
                 if kind == "gradients":
-                    raise DynamicsError(
-                        f"{error}; --plane gradient-endpoints, pca or random still compare them"
+                    other = ParameterError("plane", "gradient-endpoints, pca or random")
+                    raise DynamicsError(f"{error}; {other} still compare them").quoting(
+                        other
                     ) from None
                 collinear = error
             try:

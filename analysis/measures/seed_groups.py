@@ -46,7 +46,7 @@ from dynamics.analysis.measures.run_comparison import (
     smooth,
 )
 from dynamics.analysis.measures.run_series import run_overshoot
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 from dynamics.store import Metric, Run, open_run, other_output
 
 __all__ = [
@@ -105,7 +105,7 @@ def parse_group(text: str) -> tuple[str, str]:
     """
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path:
-        raise DynamicsError(f"--group must be NAME=FOLDER or NAME=GLOB, got {text!r}")
+        raise ParameterError("group", f"must be NAME=FOLDER or NAME=GLOB, got {text!r}")
     return name.strip(), path
 
 

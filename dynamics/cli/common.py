@@ -40,6 +40,8 @@ FLAG_OF = {
     # write_comparison's loss barriers
     "barrier_points": "--barrier-points",
     "barrier_batch": "--barrier-batch",
+    # compare's groups of runs over seeds
+    "group": "--group",
     # the bias audit
     "draws": "--draws",
     # every command that writes

@@ -18,7 +18,7 @@ from dynamics.analysis.measures.seed_groups import compare_groups, directory_gro
 from dynamics.analysis.output import check_existing_output, check_output
 from dynamics.analysis.pages.group_comparison import write_group_comparison
 from dynamics.analysis.pages.page import Written
-from dynamics.errors import DynamicsError
+from dynamics.errors import ParameterError
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.config_files import configs_folder, load_config
 from dynamics.experiments.experiment import Experiment
@@ -137,7 +137,9 @@ def reproduce(
     known = [stage.key for stage in plan]
     unknown = sorted(set(only or ()) - set(known))
     if unknown:
-        raise DynamicsError(f"--only: no experiment {unknown[0]!r} (one of {', '.join(known)})")
+        raise ParameterError(
+            "only", f"names no experiment {unknown[0]!r} (one of {', '.join(known)})"
+        )
     chosen = [stage for stage in plan if only is None or stage.key in only]
     loaded = [(stage, *_load(stage, Path(configs), steps, seeds)) for stage in chosen]
     report = out_dir / REPORT
