@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 #: Points evaluated along each line, the ends included (α = 0, 0.05, ..., 1).
 POINTS = 21
+#: The most points along a line: each is a forward pass; finer shows nothing new.
+MAX_POINTS = 1001
 #: A held-out batch may hold this many times the bytes of the runs' largest probe batch ...
 HELD_OUT_PER_PROBE_BATCH = 1024
 #: ... and at least this many bytes (a run's probe batch can be a handful of samples).
@@ -221,6 +223,20 @@ def line_losses(surface, start: np.ndarray, end: np.ndarray, alphas: np.ndarray)
     (1 − α)·start + α·end for each α, the points formed in float64 (the ends exactly)."""
     start, end = np.asarray(start, np.float64), np.asarray(end, np.float64)
     return np.array([surface.loss((1 - alpha) * start + alpha * end) for alpha in alphas])
+
+
+def check_barrier_points(barrier_points: int) -> None:
+    """Refuse a number of points per loss-barrier line other than 0 (no barriers) or 2 to
+    :data:`MAX_POINTS`.
+
+    Example::
+
+        check_barrier_points(21)  # returns; 1 or 5000 raise ParameterError
+    """
+    if barrier_points == 1 or not 0 <= barrier_points <= MAX_POINTS:
+        raise ParameterError(
+            "barrier_points", f"must be 0 or from 2 to {MAX_POINTS}, got {barrier_points}"
+        )
 
 
 def loss_barriers(

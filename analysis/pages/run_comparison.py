@@ -38,7 +38,12 @@ from dynamics.analysis.measures.displacement_geometry import (
     DisplacementGeometry,
     displacement_geometry,
 )
-from dynamics.analysis.measures.loss_barrier import POINTS, HeldOutBatch, loss_barriers
+from dynamics.analysis.measures.loss_barrier import (
+    POINTS,
+    HeldOutBatch,
+    check_barrier_points,
+    loss_barriers,
+)
 from dynamics.analysis.measures.overshoot import OvershootReport
 from dynamics.analysis.measures.run_comparison import (
     DIFFERS,
@@ -130,6 +135,7 @@ def write_comparison(
         write_comparison(["runs/demo/unshifted.h5", "runs/demo/shifted.h5"],
                          "runs/demo/compare.html", barrier_points=0)
     """
+    check_barrier_points(barrier_points)
     run_paths = run_files(run_paths)  # a directory gives its run files
     if len(run_paths) < 2:
         raise DynamicsError("compare needs at least two run files")

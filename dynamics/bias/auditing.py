@@ -31,7 +31,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from dynamics.bias.activations import ShiftedActivation, expected_value
 from dynamics.bias.audit_result import Activation, AuditResult, Layer, Origin, ParameterCount
 from dynamics.bias.shift import ACTIVATION_MODULES, functional_activations
-from dynamics.errors import DynamicsError, one_line
+from dynamics.errors import DynamicsError, ParameterError, one_line
 from dynamics.params.batch_tree import (
     ForwardArguments,
     call_forward,
@@ -75,6 +75,17 @@ REGISTERED = (
 )
 
 
+def check_draws(draws: int) -> None:
+    """Refuse fewer than one random weight draw for the origin check.
+
+    Example::
+
+        check_draws(5)  # returns; 0 raises ParameterError
+    """
+    if draws < 1:
+        raise ParameterError("draws", f"must be at least 1, got {draws}")
+
+
 def audit(
     model: nn.Module,
     example_input: Any = None,
@@ -111,8 +122,7 @@ def audit(
     Raises:
         DynamicsError: ``draws`` < 1, or the forward on ``example_input`` fails.
     """
-    if draws < 1:
-        raise DynamicsError(f"draws must be at least 1, got {draws}")
+    check_draws(draws)
     units = _units(model)
     traced = example_input is not None
     flow = _trace(model, units, example_input) if traced else _registered(units)

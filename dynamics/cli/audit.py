@@ -77,7 +77,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     """Audit a class, or a run's model at θ0 (its recorded audit when it has one)."""
     from dynamics.analysis.measures.bias_audit import recorded_audit
-    from dynamics.bias.auditing import audit, audit_batch
+    from dynamics.bias.auditing import audit, audit_batch, check_draws
     from dynamics.model.probe_batch import probe_batch
     from dynamics.model.rebuild import build_module, rebuild_module
     from dynamics.store import names, open_run
@@ -99,9 +99,8 @@ def handle(args: argparse.Namespace) -> int:
         raise DynamicsError(
             f"--vocab must be at least 1 and go with --input-shape, got {args.vocab}"
         )
-    # audit() checks draws as well, but only after a run's model is rebuilt.
-    if args.draws is not None and args.draws < 1:
-        raise DynamicsError(f"--draws must be at least 1, got {args.draws}")
+    if args.draws is not None:
+        check_draws(args.draws)  # before a run's model is rebuilt
     draws = {} if args.draws is None else {"draws": args.draws}
     example, note, result = None, "none (pass --input-shape)", None
     if args.target.endswith(".h5"):

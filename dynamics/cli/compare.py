@@ -15,10 +15,6 @@ from dynamics.cli.common import (
 )
 from dynamics.errors import DynamicsError
 
-#: The most points along a loss-barrier line: each is a forward pass; finer shows nothing new.
-_MAX_BARRIER_POINTS = 1001
-_DEFAULT_BARRIER_POINTS = 21
-
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``compare`` to ``commands``."""
@@ -84,11 +80,10 @@ def handle(args: argparse.Namespace) -> int:
         )
     if args.output is None:
         raise DynamicsError("compare: the argument -o/--output is required")
-    barrier_points = _DEFAULT_BARRIER_POINTS if args.barrier_points is None else args.barrier_points
-    if barrier_points == 1 or not 0 <= barrier_points <= _MAX_BARRIER_POINTS:
-        raise DynamicsError(
-            f"--barrier-points must be 0 or from 2 to {_MAX_BARRIER_POINTS}, got {barrier_points}"
-        )
+    from dynamics.analysis.measures.loss_barrier import POINTS, check_barrier_points
+
+    barrier_points = POINTS if args.barrier_points is None else args.barrier_points
+    check_barrier_points(barrier_points)  # before the barrier batch is read
     init_args = run_init_args(args.init_args)
     if args.model is not None and barrier_points:
         from dynamics.model.rebuild import model_target
