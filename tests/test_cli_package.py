@@ -96,3 +96,25 @@ def test_the_audit_target_is_not_spelled_as_model(tmp_path, capsys):
     missing = tmp_path / "nope.py"
     assert main(["audit", f"{missing}:Net"]) == 2
     assert capsys.readouterr().err == f"dynamics: error: {missing}:Net: no such file {missing}\n"
+
+
+@pytest.mark.parametrize("points", [1, -3, 1002])
+def test_barrier_points_are_checked_once_before_any_file_is_read(tmp_path, capsys, points):
+    from dynamics.analysis.pages.run_comparison import write_comparison
+    from dynamics.errors import ParameterError
+
+    missing = [tmp_path / "a.h5", tmp_path / "b.h5"]  # never opened: the check comes first
+    with pytest.raises(
+        ParameterError, match=f"^barrier_points must be 0 or from 2 to 1001, got {points}$"
+    ):
+        write_comparison(missing, tmp_path / "c.html", barrier_points=points)
+    for path in missing:
+        path.write_bytes(b"")
+    argv = ["compare", *map(str, missing), "-o", str(tmp_path / "c.html")]
+    assert main([*argv, "--barrier-points", str(points)]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(f"--barrier-points must be 0 or from 2 to 1001, got {points}")
+    )
+    assert not (tmp_path / "c.html").exists()
