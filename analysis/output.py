@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 from dynamics.store import RunFileError, RunLock
 from dynamics.store.lock import LockHeld
 
@@ -105,7 +105,8 @@ def check_existing_output(
     if kind is not None:
         _check_kind(out, kind)
     if not overwrite:
-        raise DynamicsError(f"{out} exists; pass --overwrite to replace it")
+        flag = ParameterError("overwrite", "to replace it")  # the CLI spells it --overwrite
+        raise DynamicsError(f"{out} exists; pass {flag}").quoting(flag)
 
 
 def write_atomically(path: Path, text: str) -> None:
