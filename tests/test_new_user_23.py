@@ -14,8 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import dynamics
 from dynamics.callbacks import ActivationBias, DynamicsRecorder, HiddenStateNorms, UnitHealth
 from dynamics.cli.common import error_line
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 from dynamics.store.writer import RunWriter
+from tests.conftest import cli_in_process
 
 
 def test_an_existing_output_names_the_parameter_in_python_and_the_flag_on_the_command_line(
@@ -87,3 +88,15 @@ def test_a_validation_run_between_two_micro_batches_leaves_hidden_norms_alone(
         for series, expected in values.items():
             np.testing.assert_array_equal(rows["validated"][group][series], expected)
             assert np.isfinite(expected).all()
+
+
+def test_steps_below_a_shipped_configs_eval_every_blame_the_steps_asked_for(capsys):
+    from dynamics.experiments.config_files import load_config
+
+    with pytest.raises(ParameterError) as caught:
+        load_config("teacher_student", steps=30)
+    assert caught.value.parameter == "steps"
+    assert "eval_every (100)" in str(caught.value) and "got 30" in str(caught.value)
+    load_config("teacher_student", steps=100)  # equal is fine
+    code, line = cli_in_process(capsys, "run", "teacher_student", "--steps", "30", "--out", "x")
+    assert code == 2 and line.startswith("dynamics: error: --steps must be at least the config's")
