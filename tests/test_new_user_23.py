@@ -100,3 +100,15 @@ def test_steps_below_a_shipped_configs_eval_every_blame_the_steps_asked_for(caps
     load_config("teacher_student", steps=100)  # equal is fine
     code, line = cli_in_process(capsys, "run", "teacher_student", "--steps", "30", "--out", "x")
     assert code == 2 and line.startswith("dynamics: error: --steps must be at least the config's")
+
+
+def test_two_probes_writing_one_group_leave_one_line_that_says_what_to_do(tmp_path, quiet_trainer):
+    path = tmp_path / "run.h5"
+    recorder = DynamicsRecorder(path, probes=[HiddenStateNorms(), ActivationBias()])
+    with pytest.warns(UserWarning, match="a group has one writer"):
+        quiet_trainer(max_steps=2, limit_val_batches=0, callbacks=[recorder]).fit(_ValidatedMLP())
+    run = dynamics.open_run(path)
+    (event,) = [e for e in run.events() if e.probe == "activation_bias"]
+    assert event.kind == "disabled" and "ValueError" not in event.message
+    assert "'activation_bias' is written by probe 'hidden' already" in event.message
+    assert np.isfinite(run.series("activation_bias")["mean"]).all()  # HiddenStateNorms' rows
