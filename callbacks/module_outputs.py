@@ -127,6 +127,7 @@ class ModuleOutputs(Probe):
         self._warned: set[str | tuple[str, str]] = set()  # layers (and units) warned about
         self._step = 0  # the due step whose forward the hooks see
         self._armed = False
+        self._trainer: pl.Trainer | None = None  # the armed step's, to tell validation apart
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """Choose the modules, resolve their feature axes, count their calls and hook them.
@@ -306,6 +307,7 @@ class ModuleOutputs(Probe):
         self._calls_now = dict.fromkeys(self._calls_now, 0)
         self._problems = {}
         self._step = step
+        self._trainer = trainer
         # The hooks see the first micro-batch's mask; a later micro-batch's is known only after
         # its forward (norms and biases wait for it; unit extremes cannot).
         self._hook_mask = self._batch_mask(batch)
@@ -531,6 +533,10 @@ class ModuleOutputs(Probe):
                 "set reduce='rank0'"
             )
 
+    def _validating(self) -> bool:
+        stages = (getattr(self._trainer, s, False) for s in ("validating", "sanity_checking"))
+        return any(stages)
+
     def teardown(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -563,8 +569,9 @@ class ModuleOutputs(Probe):
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             nonlocal checked
-            if not self._armed or in_extra_pass():  # not a probe's own extra forward
-                return
+            if not self._armed or in_extra_pass() or self._validating():
+                return  # not a probe's own extra forward, nor a validation run between two
+                # micro-batches of the armed step (val_check_interval counts batches)
             index = self._calls_now[layer]
             self._calls_now[layer] = index + 1
             if layer in self._refused:

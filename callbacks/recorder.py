@@ -382,7 +382,12 @@ class RecorderBase:
         json.dumps(settings)
         for name in [*series, *vectors]:
             if name in self._owners and self._owners[name] != probe.name:
-                raise ValueError(f"{name!r} is already declared by probe {self._owners[name]!r}")
+                # Two probes configured to write one group (HiddenStateNorms() beside
+                # ActivationBias()): the later steps aside, and the message says how to fix it.
+                raise ProbeUnavailable(
+                    f"{name!r} is written by probe {self._owners[name]!r} already; a group has "
+                    "one writer: drop one of the two, or turn that part off in the other"
+                )
         self._series |= series
         self._shapes |= {
             group: {name: spec.shape for name, spec in specs.items()}

@@ -100,11 +100,12 @@ def test_dynamics_configs_lists_the_shipped_configs(capsys):
 
 
 def test_dynamics_run_takes_a_shipped_name(tmp_path, capsys):
-    # Resolved and loaded: the refusal is the shipped config's (eval_every 100 > 1 step).
+    # Resolved and loaded: the refusal is of --steps, below the shipped config's eval_every.
     assert main(["run", "teacher_student", "--steps", "1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err == "dynamics: error: eval_every (100) must be at most steps (1), " + (
-        "or no held-out loss is ever measured\n"
+    assert err == "dynamics: error: --steps must be at least the config's eval_every (100), " + (
+        "or no held-out loss is ever measured, got 1; for fewer steps copy the config and lower "
+        "its eval_every\n"
     )
     assert main(["run", "teacher_studnet", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from dynamics.errors import ParameterError
 from dynamics.experiments.config import (
     DEFAULT_EXPERIMENT,
     INT64_MAX,
@@ -88,7 +89,17 @@ def load_config(
     for dotted, value in overrides.items():
         if value is not None:
             _override(data, dotted, value)
-    return experiment, _build(experiment.config_class, data, "").validate()
+    config = _build(experiment.config_class, data, "")
+    steps = config.steps
+    if overrides.get("steps") is not None and 0 < steps < config.eval_every:
+        # validate() would blame the file's eval_every for the steps the caller asked for
+        raise ParameterError(
+            "steps",
+            f"must be at least the config's eval_every ({config.eval_every}), or no held-out "
+            f"loss is ever measured, got {steps}; for fewer steps copy the config and lower "
+            "its eval_every",
+        )
+    return experiment, config.validate()
 
 
 class _UniqueKeysLoader(yaml.SafeLoader):

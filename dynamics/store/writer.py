@@ -47,6 +47,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from dynamics.errors import ParameterError
 from dynamics.store import names
 from dynamics.store.lock import LOCK_EXIT_PRIORITY, RunLock
 from dynamics.store.reader import open_run, series_key
@@ -272,7 +273,8 @@ class RunWriter:
         if path.is_dir():
             raise RunFileError(f"{path} is a directory; give the run file's path")
         if path.exists() and not overwrite:
-            raise RunFileError(f"{path} exists; pass overwrite=True (or --overwrite) to replace it")
+            flag = ParameterError("overwrite", "to replace it")  # the CLI spells it --overwrite
+            raise RunFileError(f"{path} exists; pass {flag}").quoting(flag)
         if not path.parent.is_dir():
             raise RunFileError(f"folder {path.parent} does not exist")
 
