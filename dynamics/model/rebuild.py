@@ -184,9 +184,9 @@ def rebuild_module(
     Raises:
         DynamicsError: the recorded class is outside the installed packages (without
             ``trust_recorded_model``) or not a ``torch.nn.Module`` subclass, the class or
-            factory cannot be imported or called, init args are
-            missing, a recorded model edit cannot be replayed (or gives another c), or the
-            model built differs from the run's parameters, buffers or submodules.
+            factory cannot be imported or called, init args are missing, a recorded model edit
+            cannot be replayed (or its replayed shift has another constant c than recorded), or
+            the model built differs from the run's parameters, buffers or submodules.
     """
     spec = run.attrs.get(names.ATTR_MODULE) or {}
     class_path = spec.get("class_path", "")
