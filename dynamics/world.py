@@ -83,6 +83,20 @@ def average(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape and dtype on each), in rank order, on every rank.
+
+    Example::
+
+        lengths = all_gather(torch.tensor(local_lengths))  # one row per rank
+    """
+    if not is_distributed():
+        return [tensor.clone()]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return parts
+
+
 def gather_to_zero(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     """Every rank's ``tensor`` (same shape on each), in rank order, on rank zero; None elsewhere.
 
@@ -92,11 +106,8 @@ def gather_to_zero(tensor: torch.Tensor) -> list[torch.Tensor] | None:
 
         rows = gather_to_zero(local_rows)  # a list on rank zero, None elsewhere
     """
-    if not is_distributed():
-        return [tensor.clone()]
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return parts if dist.get_rank() == 0 else None
+    parts = all_gather(tensor)
+    return parts if rank() == 0 else None
 
 
 #: Whose batch a probe's statistics are of: every rank's (the global batch: sums and counts

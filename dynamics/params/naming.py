@@ -1,9 +1,12 @@
-"""Names of a module's parameters, buffers and submodules as written, without
-``torch.compile``'s wrapper.
+"""Names of a module's parameters, buffers and submodules as written, without the wrappers
+``torch.compile``, FSDP and activation checkpointing put around modules.
 
 A compiled submodule (``self.net = torch.compile(net)``) holds its module as ``_orig_mod``, which
-adds ``_orig_mod.`` to every name below it but is no layer, so a compiled and an uncompiled run
-of one model have one layout (and a run file rebuilds into either).
+adds ``_orig_mod.`` to every name below it but is no layer; FSDP's ``FullyShardedDataParallel``
+(``_fsdp_wrapped_module``) and the checkpoint wrapper (``_checkpoint_wrapped_module``) do the
+same. Without them a compiled, a sharded and a plain run of one model have one layout (and a run
+file rebuilds into any of them). FSDP2's ``fully_shard`` wraps nothing but swaps each sharded
+module's class for a subclass of it (``FSDPLinear``); :func:`module_class` sees through that.
 """
 
 from __future__ import annotations
@@ -14,16 +17,39 @@ from torch import nn
 
 #: The attribute under which ``torch.compile``'s ``OptimizedModule`` holds the compiled module.
 COMPILE_WRAPPER = "_orig_mod"
+#: The attribute under which FSDP1's ``FullyShardedDataParallel`` holds the module it shards.
+FSDP_WRAPPER = "_fsdp_wrapped_module"
+#: The attributes under which wrappers that are no layer hold the one module they wrap.
+WRAPPERS = (COMPILE_WRAPPER, FSDP_WRAPPER, "_checkpoint_wrapped_module")
 
 
 def unwrapped_name(name: str) -> str:
-    """``name`` of a parameter, buffer or submodule without ``torch.compile``'s wrapper."""
-    return ".".join(part for part in name.split(".") if part != COMPILE_WRAPPER)
+    """``name`` of a parameter, buffer or submodule without the :data:`WRAPPERS`' parts."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
 
 
 def is_compile_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is ``torch.compile``'s wrapper around another (its only child)."""
     return COMPILE_WRAPPER in module._modules
+
+
+def is_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is one of the :data:`WRAPPERS` around another (no layer itself)."""
+    return any(attribute in module._modules for attribute in WRAPPERS)
+
+
+def module_class(module: nn.Module) -> type:
+    """``module``'s class, through the subclass FSDP2's ``fully_shard`` swaps in for it.
+
+    Example::
+
+        module_class(fully_shard(nn.Linear(2, 2)))  # nn.Linear, not FSDPLinear
+    """
+    cls = type(module)
+    for base in cls.__mro__[1:]:
+        if base.__name__ == "FSDPModule" and base.__module__.startswith("torch.distributed"):
+            return cls.__bases__[-1]  # fully_shard's class is (FSDPModule, the module's class)
+    return cls
 
 
 def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -32,12 +58,12 @@ def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def named_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``module.named_modules()`` under their :func:`unwrapped_name`, ``torch.compile``'s
-    wrappers left out (the module they wrap stands under the wrapper's name)."""
+    """``module.named_modules()`` under their :func:`unwrapped_name`, the :data:`WRAPPERS`
+    left out (the module they wrap stands under the wrapper's name)."""
     return [
         (unwrapped_name(name), child)
         for name, child in module.named_modules()
-        if not is_compile_wrapper(child)
+        if not is_wrapper(child)
     ]
 
 
