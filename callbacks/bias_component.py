@@ -28,7 +28,6 @@ from dynamics.callbacks.probe import (
     Rows,
     SeriesSpec,
     expected_steps,
-    require_unsharded,
 )
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.params.globs import glob_any, glob_match, matched
@@ -148,9 +147,6 @@ class BiasComponent(Probe):
         self._image_steps: frozenset[int] = frozenset()
         self._target_images: np.ndarray | None = None
         self._rows: Rows = {}
-
-    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        require_unsharded(trainer, "BiasComponent")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """Find the layers, keep the probe batch, and make one full pass to find the output

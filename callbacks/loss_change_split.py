@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
 from dynamics.params.groups import Grouping, ParameterGroups, group_parameters
 from dynamics.passes.isolation import Mode, side_effect_free
@@ -97,9 +97,6 @@ class LossChangeSplit(Probe):
     @property
     def mode(self) -> Mode:
         return self._loss.mode
-
-    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        require_unsharded(trainer, "LossChangeSplit")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self._loss.setup(trainer, pl_module, batch)

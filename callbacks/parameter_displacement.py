@@ -14,7 +14,6 @@ from dynamics.callbacks.probe import (
     Rows,
     SeriesSpec,
     expected_steps,
-    require_unsharded,
 )
 from dynamics.params.layout import BufferLayout, ParameterLayout
 from dynamics.params.vectors import flatten, parameter_vector
@@ -88,10 +87,6 @@ class ParameterDisplacement(Probe):
         self._before_views: list[torch.Tensor] = []
         self._copied = False  # whether _before holds this step's θ_step
         self._buffers_before: dict[str, torch.Tensor] = {}  # its buffers, on snapshot steps
-
-    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Norms of one rank's shards would be recorded as the model's.
-        require_unsharded(trainer, "ParameterDisplacement")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self.layout = ParameterLayout.of(pl_module)

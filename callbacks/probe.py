@@ -23,13 +23,14 @@ Probes do not depend on the Lightning namespace (``pytorch_lightning`` or
 from __future__ import annotations
 
 import math
-import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from dynamics.sharding import ParameterShards
+from dynamics.sharding.shards import Selection
 from dynamics.store import SeriesSpec
 
 if TYPE_CHECKING:
@@ -204,26 +205,17 @@ def detached_copy(batch: Any) -> Any:
     return apply_to_collection(batch, torch.Tensor, lambda t: t.detach().clone())
 
 
-def require_unsharded(trainer: pl.Trainer, probe: str) -> None:
-    """Refuse strategies that shard parameters: extra passes need every rank to hold them all.
+def parameter_shards(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, select: Selection = "trainable"
+) -> ParameterShards:
+    """Which entries of ``pl_module``'s parameters this rank holds under the fit's strategy
+    (every entry without sharding); every rank must call it together, at setup.
 
-    Raises:
-        ProbeUnavailable: under FSDP, DeepSpeed or model parallelism, from either Lightning
-            namespace.
+    Example::
+
+        self._shards = parameter_shards(trainer, pl_module)
+        theta_part = self._shards.local(pl_module)
     """
-    if isinstance(trainer.strategy, _sharded_strategies()):
-        raise ProbeUnavailable(
-            f"{probe} needs every rank to hold all parameters, but "
-            f"{type(trainer.strategy).__name__} shards them; use DDP or a single device"
-        )
-
-
-def _sharded_strategies() -> tuple[type, ...]:
-    # Only a namespace already imported can have built the Trainer, so the other one is never
-    # imported for the check (``lightning`` is optional and slow to import).
-    return tuple(
-        getattr(sys.modules[module], strategy)
-        for module in ("pytorch_lightning.strategies", "lightning.pytorch.strategies")
-        if module in sys.modules
-        for strategy in ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
-    )
+    # A probe tried outside a fit (no trainer, or one without a strategy) holds every entry.
+    wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
+    return ParameterShards.of(pl_module, select, wrapper=wrapper)

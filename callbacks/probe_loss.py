@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device
 
-from dynamics.callbacks.probe import ProbeUnavailable, detached_copy, require_unsharded
+from dynamics.callbacks.probe import ProbeUnavailable, detached_copy, parameter_shards
 from dynamics.params.batch_tree import flatten_batch, unflatten_batch
 from dynamics.passes.isolation import Mode, checked_mode
 from dynamics.passes.loss_rule import LossSource, LossUnavailable, loss_source
+from dynamics.sharding import ParameterShards, unsharded_copy
 
 
 class ProbeLoss:
@@ -33,6 +34,8 @@ class ProbeLoss:
     Attributes:
         batch: the probe batch, on the module's device after setup.
         source: where the loss rule takes the loss from; ``None`` before setup.
+        shards: which entries of the trainable parameters this rank holds; ``None`` before
+            setup.
     """
 
     def __init__(self, probe: str, mode: Mode, batch: Any = None) -> None:
@@ -40,18 +43,21 @@ class ProbeLoss:
         self.mode = checked_mode(mode)
         self.batch = None if batch is None else detached_copy(batch)
         self.source: LossSource | None = None
+        self.shards: ParameterShards | None = None
+        self._frozen: ParameterShards | None = None
         # A checkpoint's batch that could not be stored: the resumed fit cannot measure the same
         # loss, so it measures nothing (the type, for the message).
         self._unrestorable: str | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Check the strategy and the loss rule, and keep the probe batch.
+        """Check the loss rule, keep the probe batch, and learn how parameters are sharded
+        (every rank at once).
 
         Raises:
             ProbeUnavailable: if the loss rule gives no loss for ``pl_module``.
-            ValueError: under a strategy that shards parameters.
         """
-        require_unsharded(trainer, self.probe)
+        self.shards = parameter_shards(trainer, pl_module)
+        self._frozen = parameter_shards(trainer, pl_module, "frozen")
         if self._unrestorable is not None:
             raise ProbeUnavailable(
                 f"{self.probe}: the checkpoint could not keep its probe batch (a "
@@ -65,6 +71,21 @@ class ProbeLoss:
         if self.batch is None:  # neither given nor restored from a checkpoint
             self.batch = detached_copy(batch)
         self.batch = move_data_to_device(self.batch, pl_module.device)
+
+    @contextlib.contextmanager
+    def whole(self, pl_module: pl.LightningModule) -> Iterator[torch.nn.Module]:
+        """The module extra passes run on: ``pl_module`` itself or, under sharding, a plain
+        copy holding every parameter whole on every rank (all ranks must enter; peak memory:
+        one more copy of the parameters while it lives). See :mod:`dynamics.sharding.replica`.
+
+        Example::
+
+            with self._loss.whole(pl_module) as module:
+                loss = module_loss(module, self._loss.batch)
+        """
+        assert self.shards is not None, "ProbeLoss.whole before setup"
+        with unsharded_copy(pl_module, self.shards, self._frozen) as module:
+            yield module
 
     def settings(self) -> dict[str, Any]:
         """The mode and the loss's source, as stored in the run file."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, require_unsharded
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.params.layout import ParameterLayout
 from dynamics.store import View, names
 
@@ -91,10 +91,6 @@ class TrajectoryGeometry(Probe):
         self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for missing gradients
         self._armed = False
         self._noted: set[str] = set()
-
-    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Norms of one rank's shards would be recorded as the model's.
-        require_unsharded(trainer, "TrajectoryGeometry")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         layout = ParameterLayout.of(pl_module)
