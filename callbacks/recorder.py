@@ -30,11 +30,10 @@ import dynamics
 from dynamics.callbacks.fit_description import fit_attributes
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
-from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows
+from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, parameter_shards
 from dynamics.callbacks.training_loss import TrainingLoss
 from dynamics.model.record import module_record
-from dynamics.params.layout import BufferLayout, ParameterLayout
-from dynamics.params.vectors import frozen_hash, parameter_vector, vector_hash
+from dynamics.params.layout import BufferLayout
 from dynamics.store import RunFileError, RunLock, RunWriter, SeriesSpec, names, open_run
 from dynamics.store.writer import RunIdentity
 
@@ -335,6 +334,8 @@ class RecorderBase:
             problem = trainer.strategy.broadcast(problem)
             if problem is not None:
                 raise RunFileError(problem)
+        # Every rank takes part: under sharding the layout and hashes gather the parameters.
+        parameters = _parameter_attrs(trainer, pl_module)
         if not trainer.is_global_zero:
             return
         for note in notes:
@@ -358,7 +359,7 @@ class RecorderBase:
                 self.path,
                 self._series,
                 self._vectors,
-                self._attrs(trainer, pl_module, settings),
+                parameters | self._attrs(trainer, pl_module, settings),
                 self.overwrite,
                 self._lock,
                 **writer_options,
@@ -517,13 +518,9 @@ class RecorderBase:
     def _attrs(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, settings: dict[str, Any]
     ) -> dict[str, Any]:
-        layout = ParameterLayout.of(pl_module)
         return {
             names.ATTR_RUN_NAME: self.run_name,
             names.ATTR_CONFIG: self.config,
-            names.ATTR_LAYOUT: layout.to_dict(),
-            names.ATTR_THETA0_SHA256: vector_hash(parameter_vector(pl_module, layout)),
-            **({names.ATTR_FROZEN_SHA256: frozen} if (frozen := frozen_hash(pl_module)) else {}),
             names.ATTR_BUFFERS: BufferLayout.of(pl_module).to_dict(),
             names.ATTR_MODULE: module_record(pl_module),
             **fit_attributes(trainer, pl_module),
@@ -711,6 +708,20 @@ class DynamicsRecorder(RecorderBase, Callback):
     ``dynamics.callbacks.lightning.DynamicsRecorder``."""
 
     _lightning = pl
+
+
+def _parameter_attrs(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """The layout of the trainable parameters, θ0's hash and the frozen parameters' hash, as
+    the unsharded model has them (every rank calls; on ranks but zero the hashes are None)."""
+    shards = parameter_shards(trainer, pl_module)
+    frozen = parameter_shards(trainer, pl_module, "frozen")
+    attrs = {
+        names.ATTR_LAYOUT: shards.layout.to_dict(),
+        names.ATTR_THETA0_SHA256: shards.hash(pl_module),
+    }
+    if frozen.layout.names:
+        attrs[names.ATTR_FROZEN_SHA256] = frozen.hash(pl_module)
+    return attrs
 
 
 def _model_edits(trainer: pl.Trainer) -> list[dict[str, Any]]:
