@@ -91,3 +91,126 @@ def test_shards_describe_the_unsharded_parameters(name, tmp_path, reference):
     assert results[1]["whole"] is None
     assert results[0]["hash"] == vector_hash(theta) and results[1]["hash"] is None
     assert not ddp[0]["sharded"] and ddp[0]["hash"] == vector_hash(theta)
+
+
+# --- ParameterShards and unsharded_copy on raw fully_shard modules, without Lightning ---------
+
+
+class Tied(torch.nn.Module):
+    """Uneven first dimensions (5 and 1 rows over two ranks), a bf16 tensor, a weight tied
+    between embedding and head, and a user's forward hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.mix = torch.nn.Linear(3, 1)
+        self.scale = torch.nn.Parameter(torch.randn(1, 3, dtype=torch.bfloat16))
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.seen = []
+        self.mix.register_forward_hook(lambda m, i, o: self.seen.append(o.shape))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.mix(h) * self.scale.float()
+        return self.head(h).logsumexp(-1).mean()
+
+
+def _raw_main(rank: int, port: int, how: str, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from dynamics.sharding import shards as shards_module
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = Tied()
+        tokens = torch.tensor([[0, 4, 2], [1, 3, 3]])[rank : rank + 1]
+        if how == "fsdp2":
+            fully_shard(model.mix)
+            fully_shard(model)
+            shards_module.BUCKET_ENTRIES = 4  # many buckets, a parameter larger than one alone
+            shards = ParameterShards.of(model)
+            with unsharded_copy(model, shards) as copy:
+                loss = copy(tokens)
+                grads = torch.autograd.grad(loss, list(copy.parameters()))
+                results[rank] = {
+                    "names": shards.layout.names,
+                    "shapes": shards.layout.shapes,
+                    "here": shards.here,
+                    "hash": shards.hash(model),
+                    "whole": shards.gather(shards.local(model)),
+                    "grads": [g.clone() for g in grads],
+                    "copy_params": len(list(copy.parameters())),
+                    "hooks_fired": len(model.seen),
+                    "copy_class": type(copy).__name__,
+                    "fsdp_hooks_left": sum(len(m._forward_pre_hooks) for m in copy.modules()),
+                }
+        elif how == "mixed":
+            fully_shard(model.mix)  # the rest stays whole on every rank
+            try:
+                ParameterShards.of(model)
+            except Exception as error:
+                results[rank] = f"{type(error).__name__}: {error}"
+        elif how == "tensor-parallel":
+            mesh = init_device_mesh("cpu", (2,))
+            weight = model.mix.weight
+            model.mix.weight = torch.nn.Parameter(
+                distribute_tensor(weight.detach(), mesh, [Shard(1)])
+            )
+            try:
+                ParameterShards.of(model)
+            except Exception as error:
+                results[rank] = f"{type(error).__name__}: {error}"
+    finally:
+        dist.destroy_process_group()
+
+
+def _raw(how: str) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.start_processes(_raw_main, args=(port, how, results), nprocs=2, start_method="fork")
+    return dict(results)
+
+
+def test_uneven_tied_and_bf16_parameters_gather_and_hash_as_unsharded():
+    torch.manual_seed(0)
+    model = Tied()
+    layout = ParameterLayout.of(model)
+    theta = parameter_vector(model, layout)
+    losses = [model(torch.tensor([[0, 4, 2]])), model(torch.tensor([[1, 3, 3]]))]
+    expected = [torch.autograd.grad(loss, list(model.parameters())) for loss in losses]
+    results = _raw("fsdp2")
+    for rank in (0, 1):
+        got = results[rank]
+        assert got["names"] == layout.names and got["shapes"] == layout.shapes
+        assert got["copy_params"] == len(layout.names)  # the tied weight is one parameter
+        assert got["copy_class"] == "Tied" and got["fsdp_hooks_left"] == 0
+        assert got["hooks_fired"] == 1  # the user's hook ran in the copy, FSDP's did not
+        for g, e in zip(got["grads"], expected[rank]):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+    assert results[0]["here"] != results[1]["here"]  # 3 + 2 rows, 1 + 0 rows
+    torch.testing.assert_close(results[0]["whole"], theta, rtol=0, atol=0)
+    assert results[0]["hash"] == vector_hash(theta)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("mixed", "is whole on every rank while others are sharded"),
+        ("tensor-parallel", "only sharding on dim 0"),
+    ],
+)
+def test_layouts_the_toolkit_cannot_describe_are_refused_in_one_line(how, message):
+    results = _raw(how)
+    for rank in (0, 1):
+        assert results[rank].startswith("UnsupportedSharding: ")
+        assert message in results[rank] and "\n" not in results[rank]
