@@ -9,7 +9,9 @@ of a single process: no collective, no cost.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -19,6 +21,23 @@ import torch.distributed as dist
 ReduceOp = Literal["sum", "max"]
 
 _OPS = {"sum": "SUM", "max": "MAX"}
+
+
+@contextmanager
+def process_group(rank: int, size: int, rendezvous: Path) -> Iterator[None]:
+    """This process as rank ``rank`` of ``size`` CPU (gloo) processes meeting through the file
+    ``rendezvous``, for the duration: offline tools that split work across processes.
+
+    Example::
+
+        with process_group(rank, 2, folder / "rendezvous"):
+            part = evaluate(my_share)  # world.all_gather(...) inside
+    """
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def is_distributed() -> bool:

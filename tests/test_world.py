@@ -60,3 +60,28 @@ def test_one_process_is_the_identity():
         world.all_reduce([t], "mean")
     with pytest.raises(ValueError, match="reduce must be 'global' or 'rank0'"):
         world.checked_reduce("all")
+
+
+def test_only_world_talks_to_torch_distributed():
+    """Probes and tools reach collectives through dynamics.world (and dynamics.sharding on top
+    of it), so that another strategy or training loop changes one module."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for folder in ("dynamics", "callbacks", "analysis"):
+        for path in (root / folder).rglob("*.py"):
+            if path == root / "dynamics" / "world.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                    names = [f"{node.value.id}.{node.attr}"]
+                if any(n.split(".")[:2] == ["torch", "distributed"] for n in names):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, offenders

@@ -235,15 +235,19 @@ def _evaluate_share(
 
     With ``folder`` (several processes), the processes meet through a file in it.
     """
-    distributed = folder is not None
-    if distributed:
-        import torch
-        import torch.distributed as dist
+    if folder is None:
+        return _evaluate(rank, job, folder)
+    import torch
 
-        torch.set_num_threads(1)  # the processes split the machine's cores between them
-        dist.init_process_group(
-            "gloo", init_method=f"file://{folder / 'rendezvous'}", rank=rank, world_size=world_size
-        )
+    from dynamics import world
+
+    torch.set_num_threads(1)  # the processes split the machine's cores between them
+    with world.process_group(rank, world_size, folder / "rendezvous"):
+        return _evaluate(rank, job, folder)
+
+
+def _evaluate(rank: int, job: _Job, folder: Path | None) -> dict[str, float]:
+    distributed = folder is not None
     trajectory_points = sum(4 * len(job.chosen.checkpoints[name][0]) for name in job.surfaces)
     total = trajectory_points + 2 * job.grid_side**2 * len(job.surfaces)
     bar = tqdm(
@@ -269,8 +273,6 @@ def _evaluate_share(
             views = evaluate_views(views, job.surfaces, None, distributed)
     finally:
         bar.close()
-        if distributed:
-            dist.destroy_process_group()
     if rank != 0:
         return {}
     views = [  # where the heatmap's buffers switch, for the figure to mark
