@@ -66,6 +66,19 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def collective_device() -> torch.device:
+    """Where tensors must be for this process group's collectives: the current CUDA device
+    under NCCL (which moves CUDA tensors only), else the CPU.
+
+    Example::
+
+        counts = torch.tensor(local_counts, device=collective_device())
+    """
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce(tensors: Sequence[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
     """Each tensor combined over every rank by ``op``, in one collective.
 

@@ -98,7 +98,9 @@ class ParameterShards:
         layout = ParameterLayout(tuple(n for n, _ in named), tuple(shapes))
         if not world.is_distributed():
             return cls(layout, (tuple(held),))
-        table = world.all_gather(torch.tensor(held, dtype=torch.int64))
+        table = world.all_gather(
+            torch.tensor(held, dtype=torch.int64, device=world.collective_device())
+        )
         lengths = tuple(tuple(int(v) for v in row.tolist()) for row in table)
         whole = [all(row[i] == n for row in lengths) for i, n in enumerate(layout.numels)]
         if all(whole):  # DDP, FSDP1's NO_SHARD: every rank holds everything
