@@ -60,12 +60,21 @@ class FirstBatches(pl.Callback):
             self.results[trainer.global_rank] = [t.clone() for t in batch]
 
 
-def _module(name: str) -> pl.LightningModule:
+class FrozenNorms(TeacherStudentModule):
+    """The teacher-student student with its LayerNorms frozen (the Hessian is of the rest)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for name, p in self.named_parameters():
+            p.requires_grad_("norm" not in name)
+
+
+def _module(name: str, module_class=TeacherStudentModule) -> pl.LightningModule:
     torch.manual_seed(0)
-    return sharded.module_for(name, TeacherStudentModule)(**ARCH)
+    return sharded.module_for(name, module_class)(**ARCH)
 
 
-def _fit(name: str, folder, callbacks=()) -> dict:
+def _fit(name: str, folder, callbacks=(), module_class=TeacherStudentModule) -> dict:
     """The Hessian groups and the events of a 5-step fit under ``name`` (rows at steps 0, 2,
     4), and its final parameters."""
     data = TeacherStudentData(**ARCH, batch_size=8)
@@ -73,7 +82,8 @@ def _fit(name: str, folder, callbacks=()) -> dict:
     recorder = DynamicsRecorder(path, probes=[_probe()])
     final = sharded.FinalParameters(folder / "final.pt")
     options = dict(max_steps=5, limit_val_batches=0)
-    sharded.fit(name, _module(name), data, [recorder, final, *callbacks], **options)
+    module = _module(name, module_class)
+    sharded.fit(name, module, data, [recorder, final, *callbacks], **options)
     with h5py.File(path, "r") as file:
         rows = {
             f"{group}/{series}": file[f"series/{group}/{series}"][:]
@@ -188,3 +198,16 @@ def test_rows_and_eigenvectors_equal_the_ddp_runs(name, tmp_path, ddp):
         copy, own = bytes_held[f"copy{rank}"]
         assert copy == 4 * n and own < copy
         assert bytes_held[f"kept{rank}"] == 4 * (K + 1) * n
+
+
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+def test_frozen_parameters_are_held_fixed_as_unsharded(name, tmp_path):
+    got = _fit(name, tmp_path / "sharded", module_class=FrozenNorms)
+    ddp = _fit("ddp", tmp_path / "ddp", module_class=FrozenNorms)
+    assert got["events"] == [] and ddp["events"] == []
+    trainable = sum(p.numel() for p in _module("ddp", FrozenNorms).parameters() if p.requires_grad)
+    assert ddp["hessian_vectors/vectors"].shape == (3, K, trainable)
+    np.testing.assert_allclose(got["hessian/eigenvalues"], ddp["hessian/eigenvalues"], rtol=1e-4)
+    vectors, expected = got["hessian_vectors/vectors"], ddp["hessian_vectors/vectors"]
+    vectors = vectors * np.sign((vectors * expected).sum(-1, keepdims=True))
+    np.testing.assert_allclose(vectors, expected, atol=1e-5)
