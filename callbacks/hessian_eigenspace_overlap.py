@@ -19,7 +19,8 @@ from dynamics.store.views import standard_view
 class EigenspaceOverlap(HessianMeasurement):
     """``overlap_previous`` (``‖V_sᵀ V_t‖²_F / k``) and ``update_share``
     (``‖V_s (θt − θs)‖² / ‖θt − θs‖²``) against the previous row; NaN on a fit's first row.
-    Holds one parameter vector (θ at the previous row), kept in checkpoints.
+    Holds one parameter vector (θ at the previous row; whole on every rank under FSDP too),
+    kept in checkpoints.
 
     Example::
 

@@ -14,7 +14,8 @@ from dynamics.store.views import standard_view
 
 class GradientShare(HessianMeasurement):
     """``gradient_share``: ``‖P_k g‖² / ‖g‖²`` for the probe-batch gradient ``g`` and the
-    projector ``P_k`` on the row's top-k eigenvectors (the operator's gradient: no extra pass).
+    projector ``P_k`` on the row's top-k eigenvectors (the operator's gradient: no extra pass;
+    under DDP and FSDP alike the gradient of the rank-averaged probe loss).
 
     Example::
 

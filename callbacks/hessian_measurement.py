@@ -51,7 +51,9 @@ class HessianMeasurement:
     A subclass declares its series (:meth:`series`, keyed by group: the probe's own ``hessian``
     group, or a group of its own) and returns their values from :meth:`measure`; state that
     must survive a checkpoint goes through :meth:`state_dict`. Series that may hold NaN by
-    design are named in ``may_be_nan``; any other non-finite value fails the row.
+    design are named in ``may_be_nan``; any other non-finite value fails the row. Under FSDP
+    the row's operator, parameters and vectors are whole on every rank (the probe measures on a
+    whole-parameter copy), so a measurement computes as it would unsharded.
 
     Example::
 

@@ -48,8 +48,19 @@ class HessianSpectrum(Probe):
     The loss comes from the module's own loss rule, measured with the module in ``mode``,
     autocast off and the parameters in float32 (float64 for a float64 model), inside
     :func:`~dynamics.passes.isolation.side_effect_free`; under DDP every product is averaged across
-    ranks. What each series means, the solvers' accuracy, cost and pitfalls:
-    ``docs/probes/hessian_spectrum.md``.
+    ranks. Under FSDP (1 and 2) each row is measured on a copy holding the parameters whole on
+    every rank (:meth:`ProbeLoss.whole <dynamics.callbacks.probe_loss.ProbeLoss.whole>`), with
+    the rank's own probe batch and products averaged as under DDP: exact products, the same rows
+    and the same full eigenvectors (written by rank 0) as an unsharded run. The warm-start
+    vectors (and EigenspaceOverlap's θ) stay whole on every rank between rows, so a checkpoint
+    holds them whatever rank saves it. What each series means, the solvers' accuracy, cost and
+    pitfalls: ``docs/probes/hessian_spectrum.md``.
+
+    Peak memory per rank during a row, for n trainable parameters of b bytes each:
+    ``n·b`` (the whole copy, under FSDP only) ``+ 4·n·(basis + kept)`` (float32 vectors: the
+    solver's basis, Lanczos ``max_basis`` or ``max(2k + 20, 3k)``; kept between rows: ``k`` plus
+    the tracking solver's guards, plus 1 with EigenspaceOverlap) plus the double-backward graph
+    of the probe batch, as unsharded.
 
     Example::
 
@@ -127,7 +138,6 @@ class HessianSpectrum(Probe):
                 )
         self.size = 0  # trainable parameters, known at setup
         self._loss = ProbeLoss("HessianSpectrum", mode, batch)
-        self._names: list[str] = []  # the trainable parameters, found at setup
         self.dtype: torch.dtype | None = None  # of the measurement, decided at setup
         self._ritz: torch.Tensor | None = None  # the previous row's vectors (and guards)
         self._rows: Rows = {}  # measured before the step's forward, returned after it
@@ -138,12 +148,13 @@ class HessianSpectrum(Probe):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self._loss.setup(trainer, pl_module, batch)
-        self._names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
-        if not self._names:
+        # The unsharded size: under FSDP the rank's own parameters are pieces of θ.
+        layout = self._loss.shards.layout
+        if not layout.names:
             raise ValueError("HessianSpectrum found no trainable parameter")
         dtypes = {p.dtype for p in pl_module.parameters() if p.requires_grad}
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
-        self.size = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        self.size = layout.size
         for measurement in self.measurements:
             measurement.setup(self, trainer, pl_module)
 
@@ -215,31 +226,11 @@ class HessianSpectrum(Probe):
         Raises:
             FloatingPointError: if the loss, a product or a value of the row is NaN or infinite.
         """
-        batch = self._loss.batch
-        params = dict(pl_module.named_parameters())
-        leaves = {n: params[n].detach().to(self.dtype).requires_grad_() for n in self._names}
-        tensors = dict(leaves)
-        if any(p.dtype != self.dtype for p in params.values()):
-            # Lower-precision weights (bf16/fp16 "true" precision) are upcast for the pass; the
-            # frozen parameters, the buffers and the batch follow so that every op runs in
-            # float32.
-            tensors |= frozen_parameters(pl_module, self.dtype, self._names)
-            tensors |= {n: upcast(b, self.dtype) for n, b in pl_module.named_buffers()}
-            batch = apply_to_collection(batch, torch.Tensor, upcast, self.dtype)
-        averaged = world.is_distributed()
-        with (
-            side_effect_free(pl_module, self.mode),
-            torch.autocast(pl_module.device.type, enabled=False),
-            uncompiled(),  # a compiled graph supports no double backward
-        ):
-            loss_fn = lambda: loss_at(pl_module, tensors, batch)  # noqa: E731
-            operator = HessianOperator(
-                loss_fn, list(leaves.values()), average_across_ranks=averaged
-            )
-            problem = HessianProblem(
-                loss_fn, operator.params, average_across_ranks=averaged, operator=operator
-            )
-            rows = self._rows_of(problem, step)
+        # Under FSDP every rank holds the parameters whole while the row is measured (double
+        # backward through FSDP fails); from there on all is as under DDP: the rank's own
+        # probe batch, every product averaged over the ranks.
+        with self._loss.whole(pl_module) as module:
+            rows = self._rows_at(module, step)
         row = rows.pop(self.name)
         may_be_nan = MAY_BE_NAN + tuple(n for m in self.measurements for n in m.may_be_nan)
         not_finite = [
@@ -253,6 +244,35 @@ class HessianSpectrum(Probe):
             )
         self._rows.update(rows)
         return row
+
+    def _rows_at(self, module: torch.nn.Module, step: int) -> dict[str, dict[str, Any]]:
+        """Every group's row, measured on ``module`` (holding the parameters whole)."""
+        batch = self._loss.batch
+        params = dict(module.named_parameters())
+        varied = [n for n, p in params.items() if p.requires_grad]
+        leaves = {n: params[n].detach().to(self.dtype).requires_grad_() for n in varied}
+        tensors = dict(leaves)
+        if any(p.dtype != self.dtype for p in params.values()):
+            # Lower-precision weights (bf16/fp16 "true" precision) are upcast for the pass; the
+            # frozen parameters, the buffers and the batch follow so that every op runs in
+            # float32.
+            tensors |= frozen_parameters(module, self.dtype, varied)
+            tensors |= {n: upcast(b, self.dtype) for n, b in module.named_buffers()}
+            batch = apply_to_collection(batch, torch.Tensor, upcast, self.dtype)
+        averaged = world.is_distributed()
+        with (
+            side_effect_free(module, self.mode),
+            torch.autocast(params[varied[0]].device.type, enabled=False),
+            uncompiled(),  # a compiled graph supports no double backward
+        ):
+            loss_fn = lambda: loss_at(module, tensors, batch)  # noqa: E731
+            operator = HessianOperator(
+                loss_fn, list(leaves.values()), average_across_ranks=averaged
+            )
+            problem = HessianProblem(
+                loss_fn, operator.params, average_across_ranks=averaged, operator=operator
+            )
+            return self._rows_of(problem, step)
 
     def _rows_of(self, problem: HessianProblem, step: int) -> dict[str, dict[str, Any]]:
         operator = problem.operator

@@ -17,7 +17,8 @@ class EigenvectorSnapshots(HessianMeasurement):
     """Group ``hessian_vectors``: the top-k eigenvectors ``vectors`` ``(k, n)`` in float32, at
     rows thinned evenly so that the fit's expected total stays within ``budget_mb`` MiB (the
     first row always among them). When fewer than two records fit, or the fit's length is
-    unknown, none are stored and the probe notes why.
+    unknown, none are stored and the probe notes why. Under FSDP the vectors are the full ones
+    in the unsharded layout, as every rank measures on the whole parameters (rank 0 writes).
 
     Example::
 
