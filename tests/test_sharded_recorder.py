@@ -1,0 +1,207 @@
+"""The recorder under FSDP1 and FSDP2 on two forked gloo processes: the run file's attributes
+and the rows of the forward-hook and loss probes equal a DDP run's of the same seed and global
+batches, training is unchanged by the recorder, a sharding the file cannot describe (or
+DeepSpeed) is refused at fit start in one line, and the offline tools read a sharded run as
+they read an unsharded one."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from dynamics.callbacks import (
+    ActivationBias,
+    DynamicsRecorder,
+    HiddenStateNorms,
+    LoggedMetrics,
+    TrainingLoss,
+    UnitHealth,
+)
+from dynamics.experiments import TeacherStudentData, TeacherStudentModule
+from dynamics.sharding import UnsupportedSharding
+from dynamics.store import names, open_run
+from tests import sharded
+from tests.conftest import run_dynamics
+
+ARCH = dict(width=8, expansion=2, depth=3)
+#: A validation run after steps 2 and 4 (LoggedMetrics' rows), and a sanity check before the fit.
+FIT = dict(max_steps=4, limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None)
+#: Attributes that differ between two runs by design (the file's identity and name).
+OWN = {names.ATTR_RUN_ID, names.ATTR_RUN_NAME}
+
+
+class NormedStudent(TeacherStudentModule):
+    """The teacher-student model behind a BatchNorm (buffers), its first layer frozen (the
+    frozen hash); under ``ModelParallelStrategy`` it shards itself with ``fully_shard``, the
+    root too (FSDP2 swaps every class), so that every strategy fits one class."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bn = nn.BatchNorm1d(self.hparams.width)
+        self.student.blocks[0].up.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.student(self.bn(x))
+
+    def dynamics_loss(self, batch):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_model(self) -> None:
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):
+            for block in self.student.blocks:
+                fully_shard(block)
+            fully_shard(self.student)
+            fully_shard(self)  # the BatchNorm's parameters: the root's own
+
+
+class HalfSharded(NormedStudent):
+    """Under FSDP2, the blocks sharded and the BatchNorm left whole on every rank."""
+
+    def configure_model(self) -> None:
+        for block in self.student.blocks:
+            fully_shard(block)
+        fully_shard(self.student)
+
+
+def _probes() -> tuple[list, list]:
+    """Two recorders' probes: ActivationBias and UnitHealth write groups HiddenStateNorms
+    writes too, so they record into a second file of the same fit."""
+    first = [TrainingLoss(), HiddenStateNorms(unit_health=True), LoggedMetrics()]
+    return first, [ActivationBias(), UnitHealth()]
+
+
+def _fit(name: str, tmp_path, record: bool = True) -> dict:
+    torch.manual_seed(0)
+    module = NormedStudent(**ARCH)
+    final = tmp_path / f"{name}-{record}.pt"
+    callbacks = [sharded.FinalParameters(final)]
+    if record:
+        first, second = _probes()
+        callbacks += [
+            DynamicsRecorder(tmp_path / f"{name}.h5", first),
+            DynamicsRecorder(tmp_path / f"{name}-units.h5", second),
+        ]
+    sharded.fit(name, module, TeacherStudentData(**ARCH, batch_size=8), callbacks, **FIT)
+    return torch.load(final)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{strategy: (folder, final parameters)}`` of one recorded fit under each strategy."""
+    folder = tmp_path_factory.mktemp("sharded_runs")
+    return {name: (folder, _fit(name, folder)) for name in sharded.STRATEGIES}
+
+
+def _attrs(path) -> dict:
+    run = open_run(path)
+    return {k: v for k, v in run.attrs.items() if k not in OWN}
+
+
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+def test_the_run_file_describes_the_fit_as_ddp_does(name, runs):
+    folder = runs["ddp"][0]
+    ddp, got = _attrs(folder / "ddp.h5"), _attrs(runs[name][0] / f"{name}.h5")
+    assert got.keys() == ddp.keys()
+    for key in ddp:
+        assert json.dumps(got[key], sort_keys=True) == json.dumps(ddp[key], sort_keys=True), key
+    # what the equality covers: an unsharded layout, a frozen layer, buffers, original classes
+    layout = got[names.ATTR_LAYOUT]
+    assert layout["shapes"][layout["names"].index("student.blocks.0.down.weight")] == [8, 16]
+    assert "student.blocks.0.up.weight" not in layout["names"]
+    assert got[names.ATTR_FROZEN_SHA256]
+    assert "bn.running_mean" in got[names.ATTR_BUFFERS]["names"]
+    assert got[names.ATTR_MODULE]["class_path"].endswith("NormedStudent")
+    assert got[names.ATTR_SUBMODULES]["bn"][0] == "torch.nn.modules.batchnorm.BatchNorm1d"
+    events = open_run(runs[name][0] / f"{name}.h5").events()
+    assert not [e for e in events if e.kind in (names.EVENT_ERROR, names.EVENT_DISABLED)]
+
+
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("file", ["{}.h5", "{}-units.h5"])
+def test_rows_equal_the_ddp_run(name, file, runs):
+    folder = runs["ddp"][0]
+    ddp, got = open_run(folder / file.format("ddp")), open_run(folder / file.format(name))
+    assert ddp.groups == got.groups and ddp.groups
+    for group in ddp.groups:
+        want, have = ddp.series(group), got.series(group)
+        assert len(want) >= 2 and have.values.keys() == want.values.keys()
+        np.testing.assert_array_equal(have.step, want.step)
+        for series in want.values:
+            assert np.isfinite(want[series]).all(), (group, series)
+            np.testing.assert_allclose(have[series], want[series], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+def test_training_is_unchanged_by_the_recorder(name, runs, tmp_path):
+    recorded = runs[name][1]
+    plain = _fit(name, tmp_path, record=False)
+    assert recorded.keys() == plain.keys()
+    for key in plain:
+        assert torch.equal(recorded[key], plain[key]), key
+
+
+def _refusal(module_class, strategy, tmp_path) -> str:
+    """The one line a fit of ``module_class`` that the recorder refuses ends with."""
+    torch.manual_seed(0)
+    recorder = DynamicsRecorder(tmp_path / "run.h5", [TrainingLoss()])
+    # A rank's exception reaches the test as the launcher's, holding the rank's traceback; the
+    # fit ending at all shows that no rank waits in a collective the other never makes.
+    with pytest.raises(Exception) as raised:
+        sharded.fit(
+            strategy,
+            module_class(**ARCH),
+            TeacherStudentData(**ARCH, batch_size=8),
+            [recorder],
+            **FIT,
+        )
+    last = str(raised.value).strip().splitlines()[-1]
+    kind, _, message = last.partition(": ")
+    assert kind.endswith(UnsupportedSharding.__name__), last
+    assert message.startswith("DynamicsRecorder cannot record this fit: "), message
+    assert not (tmp_path / "run.h5").exists()  # refused at fit start, before any file
+    return message
+
+
+def test_fsdp1_without_orig_params_is_refused_at_fit_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        sharded, "strategy", lambda name: sharded.CPUFSDPStrategy(use_orig_params=False)
+    )
+    # (FSDP itself refuses a frozen layer beside trainable ones there: the plain student)
+    assert "use_orig_params=True" in _refusal(TeacherStudentModule, "fsdp1", tmp_path)
+
+
+def test_parameters_partly_sharded_are_refused_at_fit_start(tmp_path):
+    message = _refusal(HalfSharded, "fsdp2", tmp_path)
+    assert "'bn.weight' is whole on every rank" in message
+
+
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+def test_dynamics_info_shows_the_unsharded_layout(name, runs):
+    folder = runs[name][0]
+    result = run_dynamics("info", folder / f"{name}.h5")
+    assert result.returncode == 0, result.stderr
+    ddp = run_dynamics("info", folder / "ddp.h5")
+    layout_line = [line for line in result.stdout.splitlines() if "parameters" in line]
+    assert layout_line and layout_line == [
+        line for line in ddp.stdout.splitlines() if "parameters" in line
+    ]
+    # 3 blocks of norm (8+8), up (128+16) and down (128+8), the first up frozen; bn 8+8
+    assert "848 trainable" in result.stdout, result.stdout
+
+
+def test_dynamics_compare_finds_the_same_theta0(runs, tmp_path):
+    folder = runs["ddp"][0]
+    out = tmp_path / "compare.html"
+    result = run_dynamics("compare", folder / "fsdp1.h5", folder / "ddp.h5", "-o", out)
+    assert result.returncode == 0, result.stderr
+    assert out.exists()
+    assert "θ0" in result.stdout + result.stderr, result.stdout + result.stderr
