@@ -7,7 +7,6 @@ they read an unsharded one."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from pytorch_lightning.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from dynamics.analysis.measures.run_comparison import comparability, verdict
 from dynamics.callbacks import (
     ActivationBias,
     DynamicsRecorder,
@@ -187,15 +187,17 @@ def test_parameters_partly_sharded_are_refused_at_fit_start(tmp_path):
 @pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
 def test_dynamics_info_shows_the_unsharded_layout(name, runs):
     folder = runs[name][0]
-    result = run_dynamics("info", folder / f"{name}.h5")
-    assert result.returncode == 0, result.stderr
-    ddp = run_dynamics("info", folder / "ddp.h5")
-    layout_line = [line for line in result.stdout.splitlines() if "parameters" in line]
-    assert layout_line and layout_line == [
-        line for line in ddp.stdout.splitlines() if "parameters" in line
-    ]
-    # 3 blocks of norm (8+8), up (128+16) and down (128+8), the first up frozen; bn 8+8
-    assert "848 trainable" in result.stdout, result.stdout
+    lines = {}
+    for run in (name, "ddp"):
+        result = run_dynamics("info", folder / f"{run}.h5")
+        assert result.returncode == 0, result.stderr
+        lines[run] = [line for line in result.stdout.splitlines() if "  parameters " in line]
+    assert len(lines[name]) == 1 and lines[name] == lines["ddp"]
+    torch.manual_seed(0)
+    trainable = [p for p in NormedStudent(**ARCH).parameters() if p.requires_grad]
+    size = sum(p.numel() for p in trainable)
+    assert f"{size} trainable in {len(trainable)} tensors (θ0 sha256" in lines[name][0]
+    assert "frozen ones too" in lines[name][0] and "buffers 17 in 3 tensors" in lines[name][0]
 
 
 def test_dynamics_compare_finds_the_same_theta0(runs, tmp_path):
@@ -204,4 +206,8 @@ def test_dynamics_compare_finds_the_same_theta0(runs, tmp_path):
     result = run_dynamics("compare", folder / "fsdp1.h5", folder / "ddp.h5", "-o", out)
     assert result.returncode == 0, result.stderr
     assert out.exists()
-    assert "θ0" in result.stdout + result.stderr, result.stdout + result.stderr
+    theta0 = open_run(folder / "ddp.h5").theta0_sha256
+    assert theta0 and f"sha256 {theta0[:12]}… in both" in out.read_text()
+    # every check the comparison makes finds the two runs alike
+    checks = comparability(open_run(folder / "ddp.h5"), open_run(folder / "fsdp1.h5"))
+    assert verdict(checks) == "no difference in what both runs recorded; not recorded: config"
