@@ -200,7 +200,7 @@ class ModuleOutputs(Probe):
             self.unit_kinds = {
                 n: kind for n in activation_layers if (kind := unit_kind(named[n])) is not None
             }
-        self._bias_axes = {n: self._unit_axis(n, named) for n in activation_layers}
+        self._bias_axes = {n: self._unit_axis(n, named, pl_module) for n in activation_layers}
         self._unit_axes = {n: self._bias_axes[n] for n in self.unit_kinds}
         self.layers, self.activation_layers = layers, activation_layers
         hooked = tuple(dict.fromkeys(layers + activation_layers))
@@ -457,7 +457,7 @@ class ModuleOutputs(Probe):
             names.UNIT_NONFINITE: self._columns_of(self._recorded_outputs()),
         }
 
-    def _unit_axis(self, name: str, named: Mapping[str, nn.Module]) -> Axis:
+    def _unit_axis(self, name: str, named: Mapping[str, nn.Module], root: nn.Module) -> Axis:
         """The axis along which an activation module's output holds its units."""
         module = named[name]
         pattern = next((p for p in self.feature_dims if glob_match(name, p)), None)
@@ -467,10 +467,11 @@ class ModuleOutputs(Probe):
             return Axis(self.feature_dim, "feature_dim")
         if isinstance(module, ShiftedActivation):
             return Axis(module.dim, "ShiftedActivation dim")
-        parent = name.rpartition(".")[0]
-        # The parent's children before it, in order (by unwrapped names: FSDP1 wraps some).
-        siblings = [n for n in named if n.rpartition(".")[0] == parent]
-        before = [named[n] for n in siblings[: siblings.index(name)]]
+        parent_name, _, own = name.rpartition(".")
+        parent = named[parent_name] if parent_name else root
+        # Its siblings by their unwrapped names (FSDP1 wraps some), in order.
+        siblings = [(n, m) for n, m in named_submodules(parent) if "." not in n]
+        before = [m for _, m in siblings[: [n for n, _ in siblings].index(own)]]
         known = [m for m in before if kind_dim(m) is not None]
         if known:
             last = known[-1]
