@@ -25,7 +25,10 @@ from dynamics.callbacks import (
     TrainingLoss,
     UnitHealth,
 )
+from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
+from dynamics.model.loading import check_frozen_parameters, submodule_differences
+from dynamics.params.vectors import parameter_vector, vector_hash
 from dynamics.sharding import UnsupportedSharding
 from dynamics.store import names, open_run
 from tests import sharded
@@ -211,3 +214,15 @@ def test_dynamics_compare_finds_the_same_theta0(runs, tmp_path):
     # every check the comparison makes finds the two runs alike
     checks = comparability(open_run(folder / "ddp.h5"), open_run(folder / "fsdp1.h5"))
     assert verdict(checks) == "no difference in what both runs recorded; not recorded: config"
+
+
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+def test_an_unsharded_model_is_the_sharded_runs_model(name, runs):
+    # What load_into checks before it loads a stored state (θ0's vector is ParameterDisplacement's)
+    run = open_run(runs[name][0] / f"{name}.h5")
+    model = NormedStudent(**ARCH)
+    assert submodule_differences(run, model) == ""
+    check_frozen_parameters(run, model)
+    assert vector_hash(parameter_vector(model, run.layout)) == run.theta0_sha256
+    with pytest.raises(DynamicsError, match="frozen"):
+        check_frozen_parameters(run, NormedStudent(**ARCH, seed=1))
