@@ -220,12 +220,13 @@ def parameter_shards(
     """
     # A probe tried outside a fit (no trainer, or one without a strategy) holds every entry.
     wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
-    _reshard(pl_module)
+    reshard(pl_module)
     return ParameterShards.of(pl_module, select, wrapper=wrapper)
 
 
-def _reshard(module: torch.nn.Module) -> None:
-    """Put FSDP2's sharded parameters back on each module ``fully_shard`` sharded.
+def reshard(module: torch.nn.Module) -> None:
+    """Put FSDP2's sharded parameters back on each module ``fully_shard`` sharded (nothing
+    to do for other modules); every rank must call it together.
 
     FSDP2 keeps the root's parameters whole after a forward without backward (the sanity
     check's, a probe's counting pass) until the next backward; read then, a rank would hold
