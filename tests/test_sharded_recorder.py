@@ -27,6 +27,7 @@ from dynamics.callbacks import (
 )
 from dynamics.errors import DynamicsError
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
+from dynamics.experiments.teacher_student.model import ResidualBlock
 from dynamics.model.loading import check_frozen_parameters, submodule_differences
 from dynamics.params.vectors import parameter_vector, vector_hash
 from dynamics.sharding import UnsupportedSharding
@@ -82,6 +83,17 @@ def _probes() -> tuple[list, list]:
     return first, [ActivationBias(), UnitHealth()]
 
 
+#: The fits compared with DDP's: FSDP1 as one unit and with each block its own (the names of
+#: the blocks' parameters, buffers and modules then pass through FSDP1's wrappers), and FSDP2.
+SHARDED = ("fsdp1", "fsdp1_nested", "fsdp2")
+
+
+def _strategy(name: str):
+    if name == "fsdp1_nested":
+        return sharded.CPUFSDPStrategy(auto_wrap_policy={ResidualBlock})
+    return sharded.strategy(name)
+
+
 def _fit(name: str, tmp_path, record: bool = True) -> dict:
     torch.manual_seed(0)
     module = NormedStudent(**ARCH)
@@ -93,7 +105,9 @@ def _fit(name: str, tmp_path, record: bool = True) -> dict:
             DynamicsRecorder(tmp_path / f"{name}.h5", first),
             DynamicsRecorder(tmp_path / f"{name}-units.h5", second),
         ]
-    sharded.fit(name, module, TeacherStudentData(**ARCH, batch_size=8), callbacks, **FIT)
+    data = TeacherStudentData(**ARCH, batch_size=8)
+    strategy = _strategy(name)
+    sharded.fit(name.removesuffix("_nested"), module, data, callbacks, strategy=strategy, **FIT)
     return torch.load(final)
 
 
@@ -101,7 +115,7 @@ def _fit(name: str, tmp_path, record: bool = True) -> dict:
 def runs(tmp_path_factory):
     """``{strategy: (folder, final parameters)}`` of one recorded fit under each strategy."""
     folder = tmp_path_factory.mktemp("sharded_runs")
-    return {name: (folder, _fit(name, folder)) for name in sharded.STRATEGIES}
+    return {name: (folder, _fit(name, folder)) for name in ("ddp", *SHARDED)}
 
 
 def _attrs(path) -> dict:
@@ -109,7 +123,7 @@ def _attrs(path) -> dict:
     return {k: v for k, v in run.attrs.items() if k not in OWN}
 
 
-@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("name", SHARDED)
 def test_the_run_file_describes_the_fit_as_ddp_does(name, runs):
     folder = runs["ddp"][0]
     ddp, got = _attrs(folder / "ddp.h5"), _attrs(runs[name][0] / f"{name}.h5")
@@ -128,7 +142,7 @@ def test_the_run_file_describes_the_fit_as_ddp_does(name, runs):
     assert not [e for e in events if e.kind in (names.EVENT_ERROR, names.EVENT_DISABLED)]
 
 
-@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("name", SHARDED)
 @pytest.mark.parametrize("file", ["{}.h5", "{}-units.h5"])
 def test_rows_equal_the_ddp_run(name, file, runs):
     folder = runs["ddp"][0]
@@ -155,20 +169,15 @@ def test_training_is_unchanged_by_the_recorder(name, runs, tmp_path):
         assert torch.equal(recorded[key], plain[key]), key
 
 
-def _refusal(module_class, strategy, tmp_path) -> str:
+def _refusal(module_class, name: str, tmp_path, **trainer_options) -> str:
     """The one line a fit of ``module_class`` that the recorder refuses ends with."""
     torch.manual_seed(0)
     recorder = DynamicsRecorder(tmp_path / "run.h5", [TrainingLoss()])
     # A rank's exception reaches the test as the launcher's, holding the rank's traceback; the
     # fit ending at all shows that no rank waits in a collective the other never makes.
     with pytest.raises(Exception) as raised:
-        sharded.fit(
-            strategy,
-            module_class(**ARCH),
-            TeacherStudentData(**ARCH, batch_size=8),
-            [recorder],
-            **FIT,
-        )
+        data = TeacherStudentData(**ARCH, batch_size=8)
+        sharded.fit(name, module_class(**ARCH), data, [recorder], **(FIT | trainer_options))
     last = str(raised.value).strip().splitlines()[-1]
     kind, _, message = last.partition(": ")
     assert kind.endswith(UnsupportedSharding.__name__), last
@@ -177,12 +186,11 @@ def _refusal(module_class, strategy, tmp_path) -> str:
     return message
 
 
-def test_fsdp1_without_orig_params_is_refused_at_fit_start(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        sharded, "strategy", lambda name: sharded.CPUFSDPStrategy(use_orig_params=False)
-    )
+def test_fsdp1_without_orig_params_is_refused_at_fit_start(tmp_path):
     # (FSDP itself refuses a frozen layer beside trainable ones there: the plain student)
-    assert "use_orig_params=True" in _refusal(TeacherStudentModule, "fsdp1", tmp_path)
+    strategy = sharded.CPUFSDPStrategy(use_orig_params=False)
+    message = _refusal(TeacherStudentModule, "fsdp1", tmp_path, strategy=strategy)
+    assert "use_orig_params=True" in message
 
 
 def test_parameters_partly_sharded_are_refused_at_fit_start(tmp_path):
