@@ -53,6 +53,10 @@ class RecorderBase:
     """Records what its probes measure into one HDF5 run file, without changing the training.
 
     What it owns, how resumes and probe errors are handled: ``docs/probes/recorder.md``.
+    Under FSDP (``FSDPStrategy``, or ``ModelParallelStrategy`` with ``fully_shard``) the file
+    is the one an unsharded fit of the same seed writes (layout, hashes, buffers, model); a
+    sharding it cannot describe (tensor parallelism, ``use_orig_params=False``, parameters
+    partly sharded) and DeepSpeed are refused at fit start, in one line, on every rank.
 
     Example::
 
