@@ -37,7 +37,14 @@ from dynamics.callbacks.position_means import (
     per_position_mean,
     ratio,
 )
-from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec
+from dynamics.callbacks.probe import (
+    Probe,
+    ProbeUnavailable,
+    Rows,
+    SeriesSpec,
+    parameter_shards,
+    reshard,
+)
 from dynamics.callbacks.unit_kinds import (
     DEAD,
     UnitKind,
@@ -48,8 +55,10 @@ from dynamics.callbacks.unit_kinds import (
 )
 from dynamics.callbacks.unit_kinds import VIEWS as UNIT_VIEWS
 from dynamics.params.globs import glob_any, glob_match, matched
+from dynamics.params.naming import module_class, named_submodules
 from dynamics.passes.isolation import in_extra_pass, side_effect_free
 from dynamics.passes.loss_rule import module_loss
+from dynamics.sharding import unsharded_copy
 from dynamics.store import names
 from dynamics.store.views import standard_view
 from dynamics.world import Reduce, checked_reduce
@@ -138,7 +147,9 @@ class ModuleOutputs(Probe):
         self.teardown()
         self.layers, self.activation_layers, self._report = (), (), {}
         self.unit_kinds, self._unit_axes = {}, {}
-        named = {n: m for n, m in pl_module.named_modules() if n}
+        # Names and classes as the unsharded module has them (no FSDP1 wrappers, not FSDP2's
+        # FSDP<Name> classes), so that a sharded run declares the columns an unsharded one does.
+        named = dict(named_submodules(pl_module))
         # Chosen modules give norms and the non-finite share; activation modules bias and units.
         wants_layers, wants_activations = (
             self.norms or self.unit_health,
@@ -200,7 +211,7 @@ class ModuleOutputs(Probe):
         self._unit_axes = {n: self._bias_axes[n] for n in self.unit_kinds}
         self.layers, self.activation_layers = layers, activation_layers
         hooked = tuple(dict.fromkeys(layers + activation_layers))
-        self.calls, self._counted_by = _count_calls(pl_module, batch, {n: named[n] for n in hooked})
+        self.calls, self._counted_by = _count_calls(trainer, pl_module, batch, hooked)
         self._columns = {n: _call_columns(n, self.calls.get(n, 1)) for n in hooked}
         self._calls_now = dict.fromkeys(hooked, 0)
         self._mask_rule = describe_mask(self.mask, batch)
@@ -219,10 +230,10 @@ class ModuleOutputs(Probe):
             self._handles.append(named[layer].register_forward_hook(hook))
         self._report = {
             "layers": {
-                n: {"class": type(named[n]).__name__, "feature_dim": a.dim, "rule": a.rule}
+                n: {"class": module_class(named[n]).__name__, "feature_dim": a.dim, "rule": a.rule}
                 for n, a in axes.items()
             },
-            "found": {n: type(named[n]).__name__ for n in activation_layers},
+            "found": {n: module_class(named[n]).__name__ for n in activation_layers},
             "expected_shift": {
                 n: shift
                 for n in activation_layers
@@ -231,7 +242,9 @@ class ModuleOutputs(Probe):
             "unit_axes": {
                 n: {"feature_dim": a.dim, "rule": a.rule} for n, a in self._unit_axes.items()
             },
-            "looked_at": dict(Counter(type(m).__name__ for m in named.values()).most_common()),
+            "looked_at": dict(
+                Counter(module_class(m).__name__ for m in named.values()).most_common()
+            ),
         }
         if self.bias:
             self._announce_activations(len(named))
@@ -462,12 +475,14 @@ class ModuleOutputs(Probe):
         if isinstance(module, ShiftedActivation):
             return Axis(module.dim, "ShiftedActivation dim")
         parent_name, _, own = name.rpartition(".")
-        siblings = list((named[parent_name] if parent_name else root).named_children())
+        parent = named[parent_name] if parent_name else root
+        # Its siblings by their unwrapped names (FSDP1 wraps some), in order.
+        siblings = [(n, m) for n, m in named_submodules(parent) if "." not in n]
         before = [m for _, m in siblings[: [n for n, _ in siblings].index(own)]]
         known = [m for m in before if kind_dim(m) is not None]
         if known:
             last = known[-1]
-            return Axis(kind_dim(last), f"module before it ({type(last).__name__})", last)
+            return Axis(kind_dim(last), f"module before it ({module_class(last).__name__})", last)
         return Axis(-1, TWO_D_ONLY)
 
     def _record_units(self, layer: str, column: str, hidden: torch.Tensor) -> None:
@@ -551,7 +566,7 @@ class ModuleOutputs(Probe):
             return Axis(self.feature_dim, "feature_dim")
         dim = kind_dim(module)
         if dim is not None:
-            return Axis(dim, f"{type(module).__name__} output", module)
+            return Axis(dim, f"{module_class(module).__name__} output", module)
         known = [(n, m) for n, m in module.named_modules() if n and kind_dim(m) is not None]
         if known:
             sub, last = known[-1]
@@ -636,26 +651,53 @@ class ModuleOutputs(Probe):
 
 
 def _count_calls(
-    pl_module: nn.Module, batch: Any, modules: Mapping[str, nn.Module]
+    trainer: pl.Trainer, pl_module: nn.Module, batch: Any, hooked: Sequence[str]
 ) -> tuple[dict[str, int], str]:
-    """How often one forward calls each module (a shared ReLU, one dropout used twice), from
-    one loss pass on the first batch, and how it was counted.
+    """How often one forward calls each ``hooked`` module (a shared ReLU, one dropout used
+    twice), from one loss pass on the first batch, and how it was counted.
 
     Columns must be declared before recording starts, so the count is taken before the first
     training forward: by the loss rule, in train mode, with gradients off, inside
-    :func:`side_effect_free` (the pass leaves the run as it was).
+    :func:`side_effect_free` (the pass leaves the run as it was). Every rank calls. Under FSDP2
+    the pass runs through the sharded module (each module gathers its parameters in its own
+    forward), which then gets its shards back; under FSDP1, whose module cannot run outside its
+    wrapper, on a whole-parameter copy (peak memory: the parameters once more, at setup).
     """
     if batch is None:
         return {}, "not counted (no batch at setup): one column per module"
-    counts = dict.fromkeys(modules, 0)
+    named = dict(named_submodules(pl_module))
+    if any(module_class(m) is not type(m) for m in pl_module.modules()):  # FSDP2
+        try:
+            return _counted(pl_module, batch, {n: named[n] for n in hooked})
+        finally:
+            reshard(pl_module)
+    shards = parameter_shards(trainer, pl_module)
+    frozen = parameter_shards(trainer, pl_module, "frozen")
+    with unsharded_copy(pl_module, shards, frozen) as whole:
+        if whole is not pl_module:
+            # FSDPStrategy's forward redirection leaves ``forward`` bound to the original in
+            # its instance dict, which the copy took over: the copy must run its own modules.
+            bound = [k for k, v in vars(whole).items() if getattr(v, "__self__", None) is pl_module]
+            for key in bound:
+                del vars(whole)[key]
+        copied = dict(named_submodules(whole))
+        return _counted(whole, batch, {n: copied[n] for n in hooked})
 
-    def counter(name: str):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+
+def _counted(
+    pl_module: nn.Module, batch: Any, modules: Mapping[str, nn.Module]
+) -> tuple[dict[str, int], str]:
+    """:func:`_count_calls` on a module whose parameters are whole."""
+    counts = dict.fromkeys(modules, 0)
+    by_id = {id(m): n for n, m in modules.items()}
+
+    def counter(module: nn.Module, args: Any, output: Any) -> None:
+        name = by_id.get(id(module))
+        if name is not None:
             counts[name] += 1
 
-        return hook
-
-    handles = [m.register_forward_hook(counter(n)) for n, m in modules.items()]
+    # One global hook for the pass: the copy's modules take no hooks of their own.
+    handles = [torch.nn.modules.module.register_module_forward_hook(counter)]
     try:
         with side_effect_free(pl_module, "train"), torch.no_grad():
             module_loss(pl_module, batch)

@@ -30,10 +30,18 @@ import dynamics
 from dynamics.callbacks.fit_description import fit_attributes
 from dynamics.callbacks.hidden_state_norms import HiddenStateNorms
 from dynamics.callbacks.parameter_displacement import ParameterDisplacement
-from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, parameter_shards
+from dynamics.callbacks.probe import (
+    Probe,
+    ProbeUnavailable,
+    Rows,
+    parameter_shards,
+    refuse_deepspeed,
+)
 from dynamics.callbacks.training_loss import TrainingLoss
 from dynamics.model.record import module_record
 from dynamics.params.layout import BufferLayout
+from dynamics.params.naming import named_parameters
+from dynamics.sharding import ParameterShards, UnsupportedSharding
 from dynamics.store import RunFileError, RunLock, RunWriter, SeriesSpec, names, open_run
 from dynamics.store.writer import RunIdentity
 
@@ -45,6 +53,10 @@ class RecorderBase:
     """Records what its probes measure into one HDF5 run file, without changing the training.
 
     What it owns, how resumes and probe errors are handled: ``docs/probes/recorder.md``.
+    Under FSDP (``FSDPStrategy``, or ``ModelParallelStrategy`` with ``fully_shard``) the file
+    is the one an unsharded fit of the same seed writes (layout, hashes, buffers, model); a
+    sharding it cannot describe (tensor parallelism, ``use_orig_params=False``, parameters
+    partly sharded) and DeepSpeed are refused at fit start, in one line, on every rank.
 
     Example::
 
@@ -148,8 +160,14 @@ class RecorderBase:
         self._path = Path(path)
         self._state_key = self._generate_state_key(path=str(self._path))
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # before the strategy sets DeepSpeed up
+            refuse_deepspeed(trainer)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Before the sanity check, so that a run that cannot be recorded costs nothing.
+        # Before the sanity check, so that a run that cannot be recorded costs nothing; a
+        # sharding the file cannot describe stops every rank alike, before the path is locked.
+        _parameter_shards(trainer, pl_module)
         fresh = self._resume_from is None
         if fresh:
             self._reset()
@@ -314,6 +332,10 @@ class RecorderBase:
         # (a probe batch) and must know its shape before the file's datasets are created.
         self._started = True
         step = trainer.global_step
+        # Every rank takes part: under sharding the hashes gather the parameters. Before the
+        # probes' setup, which may run forwards of its own.
+        shards, frozen = _parameter_shards(trainer, pl_module)
+        parameters = _parameter_attrs(pl_module, shards, frozen)
         for probe in self._active():
             self._call(trainer, probe, step, probe.setup, trainer, pl_module, batch)
         # Every rank declares, so that every rank checks rows against the declaration.
@@ -334,8 +356,6 @@ class RecorderBase:
             problem = trainer.strategy.broadcast(problem)
             if problem is not None:
                 raise RunFileError(problem)
-        # Every rank takes part: under sharding the layout and hashes gather the parameters.
-        parameters = _parameter_attrs(trainer, pl_module)
         if not trainer.is_global_zero:
             return
         for note in notes:
@@ -343,8 +363,9 @@ class RecorderBase:
             self._unwritten_events.append((step, names.EVENT_RECORDER, names.EVENT_WARNING, note))
         # A row of a parameter vector's bytes (a snapshot) is written as it arrives, so the
         # recorder holds no snapshot between steps; smaller rows of small models (under 256 KiB)
-        # are gathered into blocks of that size rather than written one HDF5 call each.
-        param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        # are gathered into blocks of that size rather than written one HDF5 call each. The
+        # unsharded sizes: a rank of a sharded fit holds a part of each parameter.
+        param_bytes = _parameter_bytes(pl_module, shards) + _parameter_bytes(pl_module, frozen)
         writer_options = {
             "block_rows": self.block_rows,
             "block_bytes": max(256 << 10, param_bytes),
@@ -710,11 +731,26 @@ class DynamicsRecorder(RecorderBase, Callback):
     _lightning = pl
 
 
-def _parameter_attrs(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+def _parameter_shards(
+    trainer: pl.Trainer, pl_module: pl.LightningModule
+) -> tuple[ParameterShards, ParameterShards]:
+    """The shards of the trainable and of the frozen parameters (every rank calls).
+
+    Raises:
+        UnsupportedSharding: on every rank alike, in one line, when the parameters are laid
+            out across ranks in a way the run file cannot describe.
+    """
+    try:
+        return parameter_shards(trainer, pl_module), parameter_shards(trainer, pl_module, "frozen")
+    except UnsupportedSharding as error:
+        raise UnsupportedSharding(f"DynamicsRecorder cannot record this fit: {error}") from None
+
+
+def _parameter_attrs(
+    pl_module: pl.LightningModule, shards: ParameterShards, frozen: ParameterShards
+) -> dict[str, Any]:
     """The layout of the trainable parameters, θ0's hash and the frozen parameters' hash, as
     the unsharded model has them (every rank calls; on ranks but zero the hashes are None)."""
-    shards = parameter_shards(trainer, pl_module)
-    frozen = parameter_shards(trainer, pl_module, "frozen")
     attrs = {
         names.ATTR_LAYOUT: shards.layout.to_dict(),
         names.ATTR_THETA0_SHA256: shards.hash(pl_module),
@@ -722,6 +758,12 @@ def _parameter_attrs(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
     if frozen.layout.names:
         attrs[names.ATTR_FROZEN_SHA256] = frozen.hash(pl_module)
     return attrs
+
+
+def _parameter_bytes(pl_module: pl.LightningModule, shards: ParameterShards) -> int:
+    """Bytes of the unsharded parameters ``shards`` describes, in their own dtypes."""
+    sizes = dict(zip(shards.layout.names, shards.layout.numels))
+    return sum(sizes[n] * p.element_size() for n, p in named_parameters(pl_module) if n in sizes)
 
 
 def _model_edits(trainer: pl.Trainer) -> list[dict[str, Any]]:

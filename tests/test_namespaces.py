@@ -12,9 +12,10 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from dynamics import open_run
-from dynamics.callbacks import DynamicsRecorder, ProbeUnavailable
+from dynamics.callbacks import DynamicsRecorder
 from dynamics.callbacks import lightning as lightning_callbacks
-from dynamics.callbacks.probe import require_unsharded
+from dynamics.callbacks.probe import refuse_deepspeed
+from dynamics.sharding import UnsupportedSharding
 
 
 def test_each_namespace_gets_a_callback_of_its_own():
@@ -85,15 +86,28 @@ def test_lightning_cli_refuses_the_other_namespace_callback(tmp_path, monkeypatc
     assert "DynamicsRecorder" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    [strategies.FSDPStrategy, strategies.DeepSpeedStrategy, strategies.ModelParallelStrategy],
-)
-def test_sharded_strategies_of_lightning_pytorch_are_refused(strategy):
+@pytest.mark.parametrize("namespace", [strategies, pl.strategies])
+def test_deepspeed_of_either_namespace_is_refused_at_setup(namespace):
     # DeepSpeedStrategy() refuses to construct without deepspeed; the type is what matters.
+    strategy = namespace.DeepSpeedStrategy
     trainer = SimpleNamespace(strategy=strategy.__new__(strategy))
-    with pytest.raises(ProbeUnavailable, match="shards them"):
-        require_unsharded(trainer, "HessianSpectrum")
+    recorder = (
+        DynamicsRecorder if namespace is pl.strategies else lightning_callbacks.DynamicsRecorder
+    )("r.h5")
+    with pytest.raises(UnsupportedSharding) as refused:
+        recorder.setup(trainer, None, "fit")
+    message = str(refused.value)
+    assert "\n" not in message and "DeepSpeedStrategy" in message
+    assert "use FSDPStrategy, or ModelParallelStrategy with fully_shard" in message.replace(
+        "shard with", "use"
+    )
+
+
+@pytest.mark.parametrize("namespace", [strategies, pl.strategies])
+@pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy"])
+def test_sharded_strategies_of_either_namespace_are_recorded(namespace, name):
+    strategy = getattr(namespace, name)
+    refuse_deepspeed(SimpleNamespace(strategy=strategy.__new__(strategy)))  # no refusal
 
 
 def test_init_biases_under_the_lightning_namespace(tmp_path):

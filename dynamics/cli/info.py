@@ -16,15 +16,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    """Print the run's status, events, series, snapshots, vectors and config."""
+    """Print the run's status, parameters, events, series, snapshots, vectors and config."""
     from dynamics.store import open_run
 
-    summary = open_run(args.run).summary()
+    run = open_run(args.run)
+    summary = run.summary() | {"parameters": _parameters(run)}
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
     print(f"{summary['path']}  (run {summary['run_name']}, schema v{summary['schema_version']})")
     print(f"  status {_status_line(summary['status'])}")
+    print(f"  parameters {_parameters_line(summary['parameters'])}")
     if summary["diverged_at"] is not None:
         print(f"  diverged at step {summary['diverged_at']}: its loss or parameters not finite")
     for event in summary["events"]:
@@ -42,6 +44,37 @@ def handle(args: argparse.Namespace) -> int:
     if config:
         print(f"  config {json.dumps(config, sort_keys=True)}")
     return 0
+
+
+def _parameters(run) -> dict:
+    """The model the run recorded, as the unsharded model has it (a sharded fit's file holds
+    the same layout and hashes as an unsharded one's): sizes, tensors and hashes."""
+    from dynamics.store import names
+
+    layout, buffers = run.layout, run.buffer_layout
+    return {
+        "trainable": layout.size if layout is not None else None,
+        "tensors": len(layout.names) if layout is not None else None,
+        "theta0_sha256": run.theta0_sha256,
+        "frozen_sha256": run.attrs.get(names.ATTR_FROZEN_SHA256),
+        "buffers": sum(buffers.sizes().values()) if buffers is not None else None,
+        "buffer_tensors": len(buffers.names) if buffers is not None else None,
+    }
+
+
+def _parameters_line(parameters: dict) -> str:
+    """``848 trainable in 16 tensors (θ0 sha256 1a2b3c4d5e6f), frozen ones too; buffers 17
+    in 3 tensors``."""
+    if parameters["trainable"] is None:
+        return "not recorded"
+    line = f"{parameters['trainable']} trainable in {parameters['tensors']} tensors"
+    if parameters["theta0_sha256"]:
+        line += f" (θ0 sha256 {parameters['theta0_sha256'][:12]})"
+    if parameters["frozen_sha256"]:
+        line += f", frozen ones too (sha256 {parameters['frozen_sha256'][:12]})"
+    if parameters["buffer_tensors"]:
+        line += f"; buffers {parameters['buffers']} in {parameters['buffer_tensors']} tensors"
+    return line
 
 
 def _snapshot_line(summary: dict) -> str:

@@ -9,10 +9,14 @@ from typing import Any
 
 from torch import nn
 
+from dynamics.params.naming import module_class
+
 
 def class_path(obj: object) -> str:
-    """``module.QualifiedName`` of ``obj``'s class: how run files name a class."""
-    cls = type(obj)
+    """``module.QualifiedName`` of ``obj``'s class: how run files name a class. A module
+    FSDP2's ``fully_shard`` swapped to ``FSDP<Name>`` is named by its own class, so that a
+    sharded run records the model an unsharded run does."""
+    cls = module_class(obj) if isinstance(obj, nn.Module) else type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -20,7 +24,7 @@ def module_record(module: nn.Module) -> dict[str, Any]:
     """What the run file stores to rebuild ``module``: ``class_path``, the JSON ``init_args``
     it saved as hyperparameters, and ``unrecorded_init_args``, the ``__init__`` arguments it
     did not save or whose values JSON cannot hold (modules, dtypes, functions)."""
-    cls = type(module)
+    cls = module_class(module)
     hparams = dict(getattr(module, "hparams", {}) or {})
     init_args, unrecorded = {}, []
     for name, value in hparams.items():
