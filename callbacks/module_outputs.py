@@ -43,7 +43,6 @@ from dynamics.callbacks.probe import (
     Rows,
     SeriesSpec,
     parameter_shards,
-    reshard,
 )
 from dynamics.callbacks.unit_kinds import (
     DEAD,
@@ -658,28 +657,14 @@ def _count_calls(
 
     Columns must be declared before recording starts, so the count is taken before the first
     training forward: by the loss rule, in train mode, with gradients off, inside
-    :func:`side_effect_free` (the pass leaves the run as it was). Every rank calls. Under FSDP2
-    the pass runs through the sharded module (each module gathers its parameters in its own
-    forward), which then gets its shards back; under FSDP1, whose module cannot run outside its
-    wrapper, on a whole-parameter copy (peak memory: the parameters once more, at setup).
+    :func:`side_effect_free` (the pass leaves the run as it was). Every rank calls. Under FSDP
+    the pass runs on a whole-parameter copy (peak memory: the parameters once more, at setup).
     """
     if batch is None:
         return {}, "not counted (no batch at setup): one column per module"
-    named = dict(named_submodules(pl_module))
-    if any(module_class(m) is not type(m) for m in pl_module.modules()):  # FSDP2
-        try:
-            return _counted(pl_module, batch, {n: named[n] for n in hooked})
-        finally:
-            reshard(pl_module)
     shards = parameter_shards(trainer, pl_module)
     frozen = parameter_shards(trainer, pl_module, "frozen")
     with unsharded_copy(pl_module, shards, frozen) as whole:
-        if whole is not pl_module:
-            # FSDPStrategy's forward redirection leaves ``forward`` bound to the original in
-            # its instance dict, which the copy took over: the copy must run its own modules.
-            bound = [k for k, v in vars(whole).items() if getattr(v, "__self__", None) is pl_module]
-            for key in bound:
-                del vars(whole)[key]
         copied = dict(named_submodules(whole))
         return _counted(whole, batch, {n: copied[n] for n in hooked})
 

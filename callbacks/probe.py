@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from dynamics.params.naming import module_class
 from dynamics.sharding import ParameterShards
 from dynamics.sharding.shards import Selection, UnsupportedSharding
 from dynamics.store import SeriesSpec
@@ -220,22 +219,7 @@ def parameter_shards(
     """
     # A probe tried outside a fit (no trainer, or one without a strategy) holds every entry.
     wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
-    reshard(pl_module)
     return ParameterShards.of(pl_module, select, wrapper=wrapper)
-
-
-def reshard(module: torch.nn.Module) -> None:
-    """Put FSDP2's sharded parameters back on each module ``fully_shard`` sharded (nothing
-    to do for other modules); every rank must call it together.
-
-    FSDP2 keeps the root's parameters whole after a forward without backward (the sanity
-    check's, a probe's counting pass) until the next backward; read then, a rank would hold
-    every entry of them. Resharding frees the whole copies, values unchanged (the next forward
-    gathers them again); every rank calls it, so the ranks' next gathers still match.
-    """
-    for child in module.modules():
-        if module_class(child) is not type(child):  # fully_shard swapped its class
-            child.reshard()
 
 
 def refuse_deepspeed(trainer: pl.Trainer) -> None:

@@ -32,6 +32,15 @@ _HOOK_TABLES = (
     "_backward_pre_hooks",
     "_backward_hooks",
 )
+#: The tables of flags of forward hooks (hook id: flag), kept for the hooks the copy keeps.
+_HOOK_FLAGS = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+#: The prefix of the keys under which torch's composable APIs (FSDP2's ``fully_shard``) keep
+#: their state in a module's ``__dict__``.
+_COMPOSABLE_STATE = "__composable_api_state_key"
 #: The methods Lightning replaces with compiled ones on a compiled LightningModule's instance.
 _COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 
@@ -80,7 +89,14 @@ def _plain(module: nn.Module, whole: dict[int, torch.Tensor], memo: dict[int, ob
     # fully_shard's __new__, which calls __init__).
     cls = module_class(module)
     twin = cls.__new__(cls)
-    twin.__dict__.update(module.__dict__)
+    twin.__dict__.update(
+        (key, value)
+        for key, value in module.__dict__.items()
+        # FSDP2's state (under torch's composable-API keys) refers to the sharded modules, and
+        # a method bound to the original instance (FSDPStrategy's forward redirection leaves
+        # ``forward`` so after any redirected call) would compute with the original's shards.
+        if not key.startswith(_COMPOSABLE_STATE) and getattr(value, "__self__", None) is not module
+    )
     memo[id(module)] = twin
     twin._parameters = {
         name: None if p is None else _parameter(p, whole, memo)
@@ -96,14 +112,13 @@ def _plain(module: nn.Module, whole: dict[int, torch.Tensor], memo: dict[int, ob
     for table in _HOOK_TABLES:
         hooks = getattr(module, table)
         setattr(twin, table, OrderedDict((k, h) for k, h in hooks.items() if not _is_fsdp(h)))
-    twin._forward_pre_hooks_with_kwargs = {
-        k: v
-        for k, v in module._forward_pre_hooks_with_kwargs.items()
-        if k in twin._forward_pre_hooks
-    }
-    twin._forward_hooks_with_kwargs = {
-        k: v for k, v in module._forward_hooks_with_kwargs.items() if k in twin._forward_hooks
-    }
+    # The kept hooks' flags, in the copy's own tables: ordered dicts as nn.Module's are, since
+    # hook handles keep weak references to them.
+    for flags in _HOOK_FLAGS:
+        kept = twin._forward_pre_hooks if "pre" in flags else twin._forward_hooks
+        setattr(
+            twin, flags, OrderedDict((k, v) for k, v in getattr(module, flags).items() if k in kept)
+        )
     if getattr(module, "_compiler_ctx", None) is not None:
         for method in _COMPILED_METHODS:  # bound to the original: the copy uses its class's
             twin.__dict__.pop(method, None)

@@ -32,7 +32,7 @@ from torch import nn
 from dynamics import world
 from dynamics.errors import DynamicsError
 from dynamics.params.layout import ParameterLayout
-from dynamics.params.naming import named_parameters
+from dynamics.params.naming import module_class, named_parameters
 from dynamics.params.vectors import storable
 
 #: Which parameters a :class:`ParameterShards` describes: the trainable ones in
@@ -91,6 +91,7 @@ class ParameterShards:
             UnsupportedSharding: a parameter is sharded other than on dim 0 over all ranks,
                 or some parameters are sharded and others replicated.
         """
+        reshard(module)
         named = _selected(module, select)
         fsdp1 = _fsdp1_shapes([module, *([wrapper] if wrapper is not None else [])])
         shapes = [_full_shape(name, p, fsdp1) for name, p in named]
@@ -143,7 +144,9 @@ class ParameterShards:
         return sum(self.here)
 
     def pieces(self, module: nn.Module) -> list[torch.Tensor]:
-        """This rank's entries of each parameter, flat and detached (views, not copies)."""
+        """This rank's entries of each parameter, flat and detached (views, not copies); every
+        rank must call it together (FSDP2 may have to put its shards back, see :func:`reshard`)."""
+        reshard(module)
         params = dict(_selected(module, self._select(module)))
         return [_local_entries(params[name]).detach() for name in self.layout.names]
 
@@ -285,6 +288,20 @@ class ParameterShards:
             for j, i in enumerate(bucket):
                 whole = torch.cat([rank_pieces[j] for rank_pieces in by_rank])
                 yield whole.to(pieces[i].dtype).view(self.layout.shapes[i])
+
+
+def reshard(module: nn.Module) -> None:
+    """Put FSDP2's shards back on each module ``fully_shard`` sharded (nothing to do for other
+    modules); every rank must call it together.
+
+    FSDP2 keeps the root's parameters whole after a forward without backward (the sanity
+    check's, a validation run's) until the next backward; read then, each rank would hold every
+    entry. Resharding frees the whole copies, values unchanged; the next forward gathers them
+    again on every rank alike.
+    """
+    for child in module.modules():
+        if module_class(child) is not type(child):  # fully_shard swapped its class
+            child.reshard()
 
 
 def _selected(module: nn.Module, select: Selection) -> list[tuple[str, nn.Parameter]]:
