@@ -17,10 +17,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from numpy.typing import ArrayLike
 from torch import nn
 
+from dynamics import world
 from dynamics.geometry.nearest_buffers import NearestBuffers
 from dynamics.geometry.plane import Grid, Plane, in_plane_shares, project
 from dynamics.params.layout import ParameterLayout
@@ -308,14 +308,17 @@ def evaluate_grid(
 
     Raises:
         ValueError: if the plane does not match the surface's layout, or ``distributed`` is
-            set without an initialized process group.
+            set without an initialized process group of several processes.
     """
     surface._check_plane(plane)
-    if distributed and not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("distributed=True needs an initialized torch.distributed process group")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if distributed and not world.is_distributed():
+        raise ValueError(
+            "distributed=True needs an initialized torch.distributed process group of several "
+            "processes"
+        )
+    rank, ranks = (world.rank(), world.world_size()) if distributed else (0, 1)
     columns = grid.alphas.size
-    rows_per_chunk = -(-world // columns)  # one row, unless the ranks outnumber its points
+    rows_per_chunk = -(-ranks // columns)  # one row, unless the ranks outnumber its points
     wanted = np.ones(grid.size, dtype=bool) if where is None else np.ravel(where)
     heatmap = np.full(grid.shape, np.nan)
     for first in range(0, grid.betas.size, rows_per_chunk):
@@ -323,10 +326,10 @@ def evaluate_grid(
         chunk = np.flatnonzero(wanted[first * columns : last * columns]) + first * columns
         if not len(chunk):  # the same on every rank: no rank waits in a collective
             continue
-        per_rank = -(-len(chunk) // world)
+        per_rank = -(-len(chunk) // ranks)
         share = chunk[rank * per_rank : (rank + 1) * per_rank].tolist()
         losses = surface.losses_on_plane(plane, grid, share)
-        if world > 1:
+        if ranks > 1:
             losses = _all_gathered(losses, per_rank)
         heatmap.flat[chunk] = losses[: len(chunk)].cpu().numpy()
         if progress is not None:
@@ -381,14 +384,8 @@ def in_plane_share(trajectory: Trajectory) -> float:
 
 
 def _all_gathered(local: torch.Tensor, per_rank: int) -> torch.Tensor:
-    # One collective of equal-sized, NaN-padded slices; NCCL only moves CUDA tensors.
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    padded = torch.full((per_rank,), float("nan"), dtype=torch.float64, device=device)
-    padded[: local.numel()] = local
-    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, padded)
-    return torch.cat(parts)
+    # One collective of equal-sized, NaN-padded slices, on the CPU (the gloo processes of
+    # ``dynamics plane``).
+    padded = torch.full((per_rank,), float("nan"), dtype=torch.float64)
+    padded[: local.numel()] = local.cpu()
+    return torch.cat(world.all_gather(padded))
