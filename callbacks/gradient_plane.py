@@ -220,7 +220,9 @@ class GradientPlane(Probe):
         with self._loss.whole(pl_module) as module:
             if not trainer.is_global_zero:
                 return {}
-            return self._end_views(module, theta_final, trainer.global_step)
+            # A whole-parameter copy (under sharding) is the surface's own: no second copy.
+            copied = module is not pl_module
+            return self._end_views(module, copied, theta_final, trainer.global_step)
 
     def teardown(self) -> None:
         self._kept = []
@@ -263,15 +265,18 @@ class GradientPlane(Probe):
                 )
 
     def _end_views(
-        self, module: torch.nn.Module, theta_final: torch.Tensor, last_step: int
+        self, module: torch.nn.Module, copied: bool, theta_final: torch.Tensor, last_step: int
     ) -> dict[str, np.ndarray]:
-        """The end-of-fit views, on ``module`` with whole parameters, at θ_final."""
+        """The end-of-fit views on ``module`` with whole parameters (``copied``: a throwaway
+        copy, evaluated in place), through θ_final."""
         steps = np.array([step for step, _ in self._kept] + [last_step])
         # float32 rows: projections and losses take each row to float64 one at a time.
         stacked = torch.stack([theta for _, theta in self._kept] + [theta_final])
         thetas = (stacked if stacked.dtype == torch.float64 else stacked.float()).numpy()
         with side_effect_free(module, self.mode):
-            surface = LossSurface(module, self.layout, self._loss.batch, mode=self.mode)
+            surface = LossSurface(
+                module, self.layout, self._loss.batch, mode=self.mode, in_place=copied
+            )
             first = trajectory(names.PLANE, self.plane, steps, thetas, surface)
             second_plane, _ = out_of_plane_view(self.plane, thetas[-1])
             second = trajectory(names.PLANE, second_plane, steps, thetas, surface)

@@ -99,7 +99,8 @@ class LossSurface:
         heatmap = evaluate_grid(surface, plane, grid)  # (len(betas), len(alphas))
 
     Args:
-        module: the model, e.g. rebuilt from a run file; it is not modified.
+        module: the model, e.g. rebuilt from a run file; it is not modified (unless
+            ``in_place``).
         layout: the layout of the parameter vectors that will be evaluated.
         batch: the batch the loss is computed on, already on the module's device.
         loss_fn: scalar loss of ``(module, batch)``; defaults to the toolkit's loss rule
@@ -107,6 +108,10 @@ class LossSurface:
         seed: seed of the random draws a stochastic loss sees.
         buffers: the buffers each point uses; None: the module's own at every point.
         mode: the :data:`~dynamics.passes.isolation.Mode` the copy is evaluated in.
+        in_place: evaluate ``module`` itself, which then is modified (its parameters moved
+            into the flat buffer, its mode set): for a throwaway copy the caller made already,
+            such as a sharded module's whole-parameter copy, which ``deepcopy`` cannot copy
+            again and which would cost one more copy of the parameters.
 
     Raises:
         ValueError: if the module lacks a parameter of ``layout`` or has it in another shape,
@@ -124,8 +129,9 @@ class LossSurface:
         seed: int = 0,
         buffers: NearestBuffers | None = None,
         mode: Mode = "eval",
+        in_place: bool = False,
     ) -> None:
-        self._module = module_copy(module)
+        self._module = module if in_place else module_copy(module)
         if checked_mode(mode) == "eval":
             self._module.eval()
         params = layout.parameters(self._module)
