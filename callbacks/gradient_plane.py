@@ -36,6 +36,8 @@ class GradientPlane(Probe):
     """Stores g0 and the probe batch; records (a, b, r) of θt − θ0 on a known plane.
 
     What it records, cost, when it steps aside and pitfalls: ``docs/probes/gradient_plane.md``.
+    Under FSDP each rank projects its own entries of θ (one all-reduce per due step); g0 and
+    the end-of-fit views are taken on a whole-parameter copy, and every vector is written whole.
 
     Example::
 
@@ -126,6 +128,11 @@ class GradientPlane(Probe):
                     "g0 and the endpoints' direction",
                 )
         if self.plane is not None:
+            if self.plane.size != self.layout.size:  # the same on every rank
+                raise ValueError(
+                    f"GradientPlane basis has {self.plane.size} entries, the model's trainable "
+                    f"parameters {self.layout.size}"
+                )
             theta0 = self._theta0.to(pl_module.device)  # a checkpoint's is on the CPU
             self._local = _LocalPlane.of(self.plane, self._shards, theta0)
         if self._shards.sharded and world.rank() != 0:  # full vectors only where written
