@@ -4,9 +4,12 @@ rows and the end-of-fit views equal the DDP run's over the same global batches, 
 
 from __future__ import annotations
 
+import multiprocessing
+
 import h5py
 import numpy as np
 import pytest
+import pytorch_lightning as pl
 import torch
 
 from dynamics import open_run
@@ -21,12 +24,26 @@ ARCH = dict(width=8, expansion=2, depth=3)
 PARTNER_SEED = 3
 
 
-def _fit(name: str, path, probes, data_seed: int = 2, steps: int = 4) -> None:
+def _fit(name: str, path, probes, data_seed: int = 2, steps: int = 4, callbacks=()) -> None:
     torch.manual_seed(0)
     module = sharded.module_for(name, TeacherStudentModule)(**ARCH)
     data = TeacherStudentData(**ARCH, batch_size=8, data_seed=data_seed)
     recorder = DynamicsRecorder(path, probes)
-    sharded.fit(name, module, data, [recorder], max_steps=steps, limit_val_batches=0)
+    sharded.fit(name, module, data, [recorder, *callbacks], max_steps=steps, limit_val_batches=0)
+
+
+class HeldVectors(pl.Callback):
+    """At the end of fit, on every rank: the sizes of the plane vectors the probe holds."""
+
+    def __init__(self, probe: GradientPlane, results) -> None:
+        self.probe, self.results = probe, results
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        local = self.probe._local
+        self.results[trainer.global_rank] = {
+            "local": (local.theta0.numel(), local.u.numel(), local.v.numel()),
+            "full": self.probe._g0 is not None and self.probe.plane is not None,
+        }
 
 
 def _plane_probe(partner) -> GradientPlane:
@@ -60,8 +77,13 @@ def reference(partner, tmp_path_factory):
 @pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
 def test_plane_rows_and_vectors_equal_ddp(name, partner, reference, tmp_path):
     path = tmp_path / f"{name}.h5"
-    _fit(name, path, [_plane_probe(partner)])
+    probe, held = _plane_probe(partner), multiprocessing.Manager().dict()
+    _fit(name, path, [probe], callbacks=[HeldVectors(probe, held)])
     run = open_run(path)
+    # each rank holds its part of θ0, u and v; the whole g0 and plane only rank 0, which writes
+    assert held[0]["local"][0] + held[1]["local"][0] == run.layout.size > held[1]["local"][0]
+    assert [held[r]["local"] == (held[r]["local"][0],) * 3 for r in (0, 1)] == [True, True]
+    assert [held[r]["full"] for r in (0, 1)] == [True, False]
     assert _problems(run) == [] and _problems(reference) == []
     assert run.attrs[names.ATTR_THETA0_SHA256] == reference.attrs[names.ATTR_THETA0_SHA256]
     got, want = run.series(names.PLANE), reference.series(names.PLANE)
