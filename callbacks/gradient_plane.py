@@ -11,6 +11,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from dynamics import world
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.geometry.landscape import LossSurface, Trajectory, evaluate_grid, trajectory
@@ -24,9 +25,10 @@ from dynamics.geometry.plane import (
 )
 from dynamics.params.batch_tree import flatten_batch
 from dynamics.params.layout import ParameterLayout
-from dynamics.params.vectors import flatten, parameter_vector, storable, vector_hash
+from dynamics.params.vectors import parameter_vector, storable, vector_hash
 from dynamics.passes.initial_gradient import initial_gradient
 from dynamics.passes.isolation import Mode, side_effect_free
+from dynamics.sharding import ParameterShards
 from dynamics.store import RunFileError, names, open_run
 
 
@@ -34,6 +36,8 @@ class GradientPlane(Probe):
     """Stores g0 and the probe batch; records (a, b, r) of θt − θ0 on a known plane.
 
     What it records, cost, when it steps aside and pitfalls: ``docs/probes/gradient_plane.md``.
+    Under FSDP each rank projects its own entries of θ (one all-reduce per due step); g0 and
+    the end-of-fit views are taken on a whole-parameter copy, and every vector is written whole.
 
     Example::
 
@@ -82,17 +86,18 @@ class GradientPlane(Probe):
         self.grid = grid
         self.margin = margin
         self.checkpoints = checkpoints
-        # (step, θ_step on the CPU) for the end-of-fit trajectories, every _stride-th due step.
-        self._kept: list[tuple[int, torch.Tensor]] = []
+        # (step, θ_step on the CPU) for the end-of-fit trajectories, every _stride-th due step;
+        # θ_step is None off rank zero under sharding (gathered there only).
+        self._kept: list[tuple[int, torch.Tensor | None]] = []
         self._stride = 1
         self._loss = ProbeLoss("GradientPlane", mode, batch)
-        # Known from setup on (or, for g0 and θ0, from a checkpoint's state).
+        # Known from setup on (or, for g0 and θ0, from a checkpoint's state). The full g0, θ0
+        # and plane are kept where vectors are written: on rank zero alone under sharding.
         self.layout: ParameterLayout | None = None
-        self._params: list[torch.Tensor] = []
+        self._shards: ParameterShards | None = None
         self._g0: torch.Tensor | None = None
         self._theta0: torch.Tensor | None = None
-        self._u: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        self._local: _LocalPlane | None = None  # this rank's part of θ0, u and v
         self._row: dict[str, torch.Tensor] | None = None  # coordinates of θ_step, taken pre-update
 
     @property
@@ -101,11 +106,14 @@ class GradientPlane(Probe):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self._loss.setup(trainer, pl_module, batch)
-        self.layout = ParameterLayout.of(pl_module)
-        self._params = self.layout.parameters(pl_module)
+        self._shards = self._loss.shards
+        self.layout = self._shards.layout
         if self._g0 is None:  # a resumed fit restored g0 and θ0 from the checkpoint
-            self._theta0 = parameter_vector(pl_module, self.layout)
-            self._g0 = initial_gradient(pl_module, self._loss.batch, self.layout, self.mode)
+            # On whole parameters (every rank, under sharding too), averaged over the ranks as
+            # under DDP; the copy is freed when the block ends.
+            with self._loss.whole(pl_module) as module:
+                self._theta0 = parameter_vector(module, self.layout)
+                self._g0 = initial_gradient(module, self._loss.batch, self.layout, self.mode)
         if self.partner is not None and self.plane is None:
             try:
                 self.plane = self._plane_with_partner()
@@ -120,12 +128,19 @@ class GradientPlane(Probe):
                     "g0 and the endpoints' direction",
                 )
         if self.plane is not None:
-            self._u, self._v = (
-                torch.from_numpy(np.array(w)).to(self._theta0) for w in (self.plane.u, self.plane.v)
-            )
+            if self.plane.size != self.layout.size:  # the same on every rank
+                raise ValueError(
+                    f"GradientPlane basis has {self.plane.size} entries, the model's trainable "
+                    f"parameters {self.layout.size}"
+                )
+            theta0 = self._theta0.to(pl_module.device)  # a checkpoint's is on the CPU
+            self._local = _LocalPlane.of(self.plane, self._shards, theta0)
+        if self._shards.sharded and world.rank() != 0:  # full vectors only where written
+            self._g0 = self._theta0 = self.plane = None
+            self._kept = [(step, None) for step, _ in self._kept]
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
-        if self.plane is None:
+        if not self._planar:
             return {}
         # Drawn by the report's dedicated plane view, so no generic view is declared.
         return {
@@ -144,12 +159,12 @@ class GradientPlane(Probe):
         vectors = {names.G0: SeriesSpec(size)}
         for name, array in self._batch_arrays():
             vectors[name] = SeriesSpec(array.shape, str(array.dtype))
-        if self.plane is not None:
+        if self._planar:
             vectors |= {
                 names.PLANE_U: SeriesSpec(size, "float64"),
                 names.PLANE_V: SeriesSpec(size, "float64"),
             }
-        if self.at_end and self.plane is not None:
+        if self.at_end and self._planar:
             rows = self.checkpoints + 1  # and θT
             columns = len(names.PLANE_END_TRAJECTORY_COLUMNS)
             vectors[names.PLANE_END_STEPS] = SeriesSpec((rows,), "float64")
@@ -167,6 +182,7 @@ class GradientPlane(Probe):
         return vectors
 
     def initial_vectors(self) -> dict[str, np.ndarray]:
+        """g0, the probe batch and the plane, whole (called on rank zero)."""
         if self._g0 is None:
             return {}
         vectors = {names.G0: self._g0.cpu().numpy(), **dict(self._batch_arrays())}
@@ -188,55 +204,32 @@ class GradientPlane(Probe):
         return settings
 
     def is_due(self, step: int) -> bool:
-        return self.plane is not None and super().is_due(step)
+        return self._planar and super().is_due(step)
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
-        if trainer.is_global_zero:
-            self._row = self._coordinates()
-            if self.at_end and (step // self.every_n_steps) % self._stride == 0:
-                self._kept.append((step, flatten(self._params).detach().cpu()))
-                if len(self._kept) > self.checkpoints:
-                    self._kept, self._stride = self._kept[::2], 2 * self._stride
+        # Every rank: under sharding the coordinates and the kept θ_step are collectives.
+        self._row = self._coordinates(pl_module)
+        if self.at_end and (step // self.every_n_steps) % self._stride == 0:
+            self._kept.append((step, self._whole_theta(pl_module)))
+            if len(self._kept) > self.checkpoints:
+                self._kept, self._stride = self._kept[::2], 2 * self._stride
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         row, self._row = self._row, None
         return {names.PLANE: row} if row is not None else {}
 
     def final_vectors(self, trainer, pl_module) -> dict[str, np.ndarray]:
-        """The end-of-fit plane views (``at_end``), evaluated on global rank zero."""
-        if not (self.at_end and self.plane is not None and trainer.is_global_zero):
+        """The end-of-fit plane views (``at_end``), evaluated on global rank zero on a module
+        with whole parameters (every rank takes part in gathering them)."""
+        if not (self.at_end and self._planar):
             return {}
-        theta_final = flatten(self._params).detach().cpu()
-        steps = np.array([step for step, _ in self._kept] + [trainer.global_step])
-        # float32 rows: projections and losses take each row to float64 one at a time.
-        stacked = torch.stack([theta for _, theta in self._kept] + [theta_final])
-        thetas = (stacked if stacked.dtype == torch.float64 else stacked.float()).numpy()
-        with side_effect_free(pl_module, self.mode):
-            surface = LossSurface(pl_module, self.layout, self._loss.batch, mode=self.mode)
-            first = trajectory(names.PLANE, self.plane, steps, thetas, surface)
-            second_plane, _ = out_of_plane_view(self.plane, thetas[-1])
-            second = trajectory(names.PLANE, second_plane, steps, thetas, surface)
-            views = {
-                names.PLANE_END_VIEWS[0]: (self.plane, first, self._partner_paths()),
-                names.PLANE_END_VIEWS[1]: (second_plane, second, []),
-            }
-            vectors = {names.PLANE_END_STEPS: self._padded(steps)}
-            for view, (plane, path, others) in views.items():
-                grid = covering_grid(
-                    [(path.a, path.b), *others],
-                    num_alphas=self.grid,
-                    num_betas=self.grid,
-                    margin=self.margin,
-                )
-                vectors |= {
-                    names.plane_end(view, "alphas"): grid.alphas,
-                    names.plane_end(view, "betas"): grid.betas,
-                    names.plane_end(view, "losses"): evaluate_grid(surface, plane, grid),
-                    names.plane_end(view, "trajectory"): self._padded(_columns(path)),
-                }
-        vectors[names.plane_end(names.PLANE_END_VIEWS[1], "u")] = second_plane.u
-        vectors[names.plane_end(names.PLANE_END_VIEWS[1], "v")] = second_plane.v
-        return vectors
+        theta_final = self._whole_theta(pl_module)
+        with self._loss.whole(pl_module) as module:
+            if not trainer.is_global_zero:
+                return {}
+            # A whole-parameter copy (under sharding) is the surface's own: no second copy.
+            copied = module is not pl_module
+            return self._end_views(module, copied, theta_final, trainer.global_step)
 
     def teardown(self) -> None:
         self._kept = []
@@ -278,15 +271,69 @@ class GradientPlane(Probe):
                     metadata=json.loads(state["plane_metadata"]),
                 )
 
-    def _coordinates(self) -> dict[str, torch.Tensor]:
-        displacement = flatten(self._params) - self._theta0
-        a, b = displacement @ self._u, displacement @ self._v
-        residual = displacement - a * self._u - b * self._v
+    def _end_views(
+        self, module: torch.nn.Module, copied: bool, theta_final: torch.Tensor, last_step: int
+    ) -> dict[str, np.ndarray]:
+        """The end-of-fit views on ``module`` with whole parameters (``copied``: a throwaway
+        copy, evaluated in place), through θ_final."""
+        steps = np.array([step for step, _ in self._kept] + [last_step])
+        # float32 rows: projections and losses take each row to float64 one at a time.
+        stacked = torch.stack([theta for _, theta in self._kept] + [theta_final])
+        thetas = (stacked if stacked.dtype == torch.float64 else stacked.float()).numpy()
+        with side_effect_free(module, self.mode):
+            surface = LossSurface(
+                module, self.layout, self._loss.batch, mode=self.mode, in_place=copied
+            )
+            first = trajectory(names.PLANE, self.plane, steps, thetas, surface)
+            second_plane, _ = out_of_plane_view(self.plane, thetas[-1])
+            second = trajectory(names.PLANE, second_plane, steps, thetas, surface)
+            views = {
+                names.PLANE_END_VIEWS[0]: (self.plane, first, self._partner_paths()),
+                names.PLANE_END_VIEWS[1]: (second_plane, second, []),
+            }
+            vectors = {names.PLANE_END_STEPS: self._padded(steps)}
+            for view, (plane, path, others) in views.items():
+                grid = covering_grid(
+                    [(path.a, path.b), *others],
+                    num_alphas=self.grid,
+                    num_betas=self.grid,
+                    margin=self.margin,
+                )
+                vectors |= {
+                    names.plane_end(view, "alphas"): grid.alphas,
+                    names.plane_end(view, "betas"): grid.betas,
+                    names.plane_end(view, "losses"): evaluate_grid(surface, plane, grid),
+                    names.plane_end(view, "trajectory"): self._padded(_columns(path)),
+                }
+        vectors[names.plane_end(names.PLANE_END_VIEWS[1], "u")] = second_plane.u
+        vectors[names.plane_end(names.PLANE_END_VIEWS[1], "v")] = second_plane.v
+        return vectors
+
+    @property
+    def _planar(self) -> bool:
+        """Whether coordinates are recorded: a plane is known (on every rank alike)."""
+        return self._local is not None or self.plane is not None
+
+    def _coordinates(self, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
+        """a, b and r of θ_step − θ0, from this rank's entries and one sum over the ranks."""
+        d = self._shards.local(pl_module).double() - self._local.theta0
+        dot_u, dot_v, square = self._shards.sum([d @ self._local.u, d @ self._local.v, d @ d])
+        uu, vv, uv = self._local.gram
+        # ‖d − a·u − b·v‖² with a = d·u, b = d·v, from sums alone (exact for any basis).
+        residual = square - 2 * (dot_u**2 + dot_v**2) + dot_u**2 * uu + dot_v**2 * vv
+        residual = residual + 2 * dot_u * dot_v * uv
         return {
-            names.PLANE_A: a,
-            names.PLANE_B: b,
-            names.PLANE_R: torch.linalg.vector_norm(residual),
+            names.PLANE_A: dot_u,
+            names.PLANE_B: dot_v,
+            names.PLANE_R: residual.clamp(min=0).sqrt(),
         }
+
+    def _whole_theta(self, pl_module: pl.LightningModule) -> torch.Tensor | None:
+        """θ whole on the CPU on rank zero (None elsewhere; every rank must call it)."""
+        if not self._shards.sharded and world.rank() != 0:
+            return None
+        theta = self._shards.gather(self._shards.local(pl_module))
+        return None if theta is None else theta.cpu()
 
     def _batch_arrays(self) -> list[tuple[str, np.ndarray]]:
         _, leaves = flatten_batch(self._loss.batch)
@@ -333,6 +380,23 @@ class GradientPlane(Probe):
             raise ValueError(f"GradientPlane partner {self.partner} stores no initial gradient g0")
         theta0 = self._theta0.double().cpu().numpy()
         return plane_from_gradients(theta0, g_partner, self._g0.double().cpu().numpy())
+
+
+class _LocalPlane:
+    """This rank's part of θ0, u and v in float64, and the basis's inner products over all."""
+
+    def __init__(
+        self, theta0: torch.Tensor, u: torch.Tensor, v: torch.Tensor, gram: tuple[float, ...]
+    ) -> None:
+        self.theta0, self.u, self.v, self.gram = theta0, u, v, gram
+
+    @classmethod
+    def of(cls, plane: Plane, shards: ParameterShards, theta0: torch.Tensor) -> _LocalPlane:
+        """From the full ``plane`` (on every rank) and θ0 on its device."""
+        u, v = (np.array(w, dtype=np.float64) for w in (plane.u, plane.v))  # writable
+        gram = (float(u @ u), float(v @ v), float(u @ v))
+        parts = (shards.part(theta0).double(), *(shards.part(w).to(theta0.device) for w in (u, v)))
+        return cls(*parts, gram)
 
 
 def _plain(value: Any) -> Any:

@@ -17,10 +17,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from numpy.typing import ArrayLike
 from torch import nn
 
+from dynamics import world
 from dynamics.geometry.nearest_buffers import NearestBuffers
 from dynamics.geometry.plane import Grid, Plane, in_plane_shares, project
 from dynamics.params.layout import ParameterLayout
@@ -99,7 +99,8 @@ class LossSurface:
         heatmap = evaluate_grid(surface, plane, grid)  # (len(betas), len(alphas))
 
     Args:
-        module: the model, e.g. rebuilt from a run file; it is not modified.
+        module: the model, e.g. rebuilt from a run file; it is not modified (unless
+            ``in_place``).
         layout: the layout of the parameter vectors that will be evaluated.
         batch: the batch the loss is computed on, already on the module's device.
         loss_fn: scalar loss of ``(module, batch)``; defaults to the toolkit's loss rule
@@ -107,6 +108,10 @@ class LossSurface:
         seed: seed of the random draws a stochastic loss sees.
         buffers: the buffers each point uses; None: the module's own at every point.
         mode: the :data:`~dynamics.passes.isolation.Mode` the copy is evaluated in.
+        in_place: evaluate ``module`` itself, which then is modified (its parameters moved
+            into the flat buffer, its mode set): for a throwaway copy the caller made already,
+            such as a sharded module's whole-parameter copy, which ``deepcopy`` cannot copy
+            again and which would cost one more copy of the parameters.
 
     Raises:
         ValueError: if the module lacks a parameter of ``layout`` or has it in another shape,
@@ -124,8 +129,9 @@ class LossSurface:
         seed: int = 0,
         buffers: NearestBuffers | None = None,
         mode: Mode = "eval",
+        in_place: bool = False,
     ) -> None:
-        self._module = module_copy(module)
+        self._module = module if in_place else module_copy(module)
         if checked_mode(mode) == "eval":
             self._module.eval()
         params = layout.parameters(self._module)
@@ -308,14 +314,17 @@ def evaluate_grid(
 
     Raises:
         ValueError: if the plane does not match the surface's layout, or ``distributed`` is
-            set without an initialized process group.
+            set without an initialized process group of several processes.
     """
     surface._check_plane(plane)
-    if distributed and not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("distributed=True needs an initialized torch.distributed process group")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if distributed and not world.is_distributed():
+        raise ValueError(
+            "distributed=True needs an initialized torch.distributed process group of several "
+            "processes"
+        )
+    rank, ranks = (world.rank(), world.world_size()) if distributed else (0, 1)
     columns = grid.alphas.size
-    rows_per_chunk = -(-world // columns)  # one row, unless the ranks outnumber its points
+    rows_per_chunk = -(-ranks // columns)  # one row, unless the ranks outnumber its points
     wanted = np.ones(grid.size, dtype=bool) if where is None else np.ravel(where)
     heatmap = np.full(grid.shape, np.nan)
     for first in range(0, grid.betas.size, rows_per_chunk):
@@ -323,10 +332,10 @@ def evaluate_grid(
         chunk = np.flatnonzero(wanted[first * columns : last * columns]) + first * columns
         if not len(chunk):  # the same on every rank: no rank waits in a collective
             continue
-        per_rank = -(-len(chunk) // world)
+        per_rank = -(-len(chunk) // ranks)
         share = chunk[rank * per_rank : (rank + 1) * per_rank].tolist()
         losses = surface.losses_on_plane(plane, grid, share)
-        if world > 1:
+        if ranks > 1:
             losses = _all_gathered(losses, per_rank)
         heatmap.flat[chunk] = losses[: len(chunk)].cpu().numpy()
         if progress is not None:
@@ -381,14 +390,8 @@ def in_plane_share(trajectory: Trajectory) -> float:
 
 
 def _all_gathered(local: torch.Tensor, per_rank: int) -> torch.Tensor:
-    # One collective of equal-sized, NaN-padded slices; NCCL only moves CUDA tensors.
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    padded = torch.full((per_rank,), float("nan"), dtype=torch.float64, device=device)
-    padded[: local.numel()] = local
-    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, padded)
-    return torch.cat(parts)
+    # One collective of equal-sized, NaN-padded slices, on the CPU (the gloo processes of
+    # ``dynamics plane``).
+    padded = torch.full((per_rank,), float("nan"), dtype=torch.float64)
+    padded[: local.numel()] = local.cpu()
+    return torch.cat(world.all_gather(padded))

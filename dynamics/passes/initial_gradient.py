@@ -20,7 +20,9 @@ def initial_gradient(
 
     The loss is found by :func:`~dynamics.passes.loss_rule.module_loss`. Under an initialized
     process group every rank must call this; the result is the average of the ranks' gradients,
-    as data-parallel training would apply.
+    as data-parallel training would apply. ``module`` holds its parameters whole: under FSDP
+    pass the whole-parameter copy (:func:`dynamics.sharding.unsharded_copy`), whose gradient
+    the average then makes the unsharded run's.
 
     Example::
 
