@@ -390,8 +390,9 @@ def in_plane_share(trajectory: Trajectory) -> float:
 
 
 def _all_gathered(local: torch.Tensor, per_rank: int) -> torch.Tensor:
-    # One collective of equal-sized, NaN-padded slices, on the CPU (the gloo processes of
-    # ``dynamics plane``).
-    padded = torch.full((per_rank,), float("nan"), dtype=torch.float64)
-    padded[: local.numel()] = local.cpu()
+    # One collective of equal-sized, NaN-padded slices, where the backend moves tensors.
+    padded = torch.full(
+        (per_rank,), float("nan"), dtype=torch.float64, device=world.collective_device()
+    )
+    padded[: local.numel()] = local
     return torch.cat(world.all_gather(padded))
