@@ -86,6 +86,8 @@ class TrajectoryGeometry(Probe):
         # looked up each step (FSDP may rebind them).
         self._params: list[torch.Tensor] = []
         self._in_optimizer: list[bool] = []  # per parameter: does an optimizer hold it
+        self._params_held: list[torch.Tensor] = []  # the parameters themselves, for .grad
+        self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for missing gradients
         self._theta0: list[torch.Tensor] | None = None  # this rank's part under sharding
         self._before: list[torch.Tensor] = []  # θt, copied before a step
         # Δt−1, or a positive multiple of it (a checkpoint of an older version holds its
@@ -113,6 +115,7 @@ class TrajectoryGeometry(Probe):
         params = [found[n] for n in self._tensor_names]
         held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
         self._in_optimizer = [id(p) in held for p in params]
+        self._params_held = params
         self._params = [] if shards.sharded else [p.detach() for p in params]
         self.gradient_problem = _gradient_problem(trainer, pl_module)
         if self.gradient_problem:
@@ -259,7 +262,8 @@ class TrajectoryGeometry(Probe):
         # The next fit() starts a new path, unless a checkpoint restores this one.
         self._theta0, self._previous, self._path = None, None, None
         self._previous_squares, self._tensor_path, self.tensor_problem = None, None, None
-        self._before, self._armed = [], False
+        self._before, self._zeros, self._armed = [], {}, False
+        self._params_held = []
 
     def state_dict(self) -> dict[str, Any]:
         if self._theta0 is None:
@@ -302,21 +306,28 @@ class TrajectoryGeometry(Probe):
         """This rank's part of the gradient per tensor, shaped as ``like`` (zeros for a
         parameter outside every optimizer or without one), or None (with a note) when this
         rank has none at all."""
-        flat = self._shards.local_grad(pl_module)
-        if flat is None:
+        if self._shards.sharded:
+            flat = self._shards.local_grad(pl_module)  # a copy: masked in place below
+            grads = [] if flat is None else list(torch.split(flat, self._shards.here))
+        else:  # the gradients themselves, no copy
+            grads = [p.grad for p in self._params_held]
+        grads = [g if held else None for g, held in zip(grads, self._in_optimizer)]
+        if all(g is None for g in grads):
             self._note_once(
                 step,
                 "no parameter had a gradient when the optimizer step ended; gradient_cosine "
                 "recorded NaN",
             )
             return None
-        gradient = [
-            g.view(d.shape).to(d.dtype) for g, d in zip(torch.split(flat, self._shards.here), like)
+        return [
+            g.view(d.shape).to(d.dtype) if g is not None else self._zero(i, d)
+            for i, (g, d) in enumerate(zip(grads, like))
         ]
-        for g, held in zip(gradient, self._in_optimizer):
-            if not held:
-                g.zero_()
-        return gradient
+
+    def _zero(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        if i not in self._zeros:
+            self._zeros[i] = torch.zeros_like(like)
+        return self._zeros[i]
 
     def _note_once(self, step: int, message: str) -> None:
         if message not in self._noted:
@@ -363,8 +374,8 @@ def _dot_cosine(a: torch.Tensor, b: torch.Tensor, dot: torch.Tensor) -> torch.Te
 
 
 def _dots(u: list[torch.Tensor], v: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """⟨uᵢ, vᵢ⟩ per pair of tensors, stacked, summed in ``dtype``."""
-    return torch.stack([p.sum(dtype=dtype) for p in torch._foreach_mul(u, v)])
+    """⟨uᵢ, vᵢ⟩ per pair of tensors, stacked, as ``dtype``."""
+    return torch.stack([p.sum() for p in torch._foreach_mul(u, v)]).to(dtype)
 
 
 def _squares(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
