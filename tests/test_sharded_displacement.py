@@ -101,3 +101,28 @@ def test_a_sharded_run_rebuilds_offline_as_the_unsharded_one(runs, name):
         assert got.keys() == expected.keys()
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=0)
+
+
+def test_each_step_costs_each_probe_one_all_reduce(tmp_path, monkeypatch):
+    """Under FSDP2 every rank sums every norm and cosine of a step in one all-reduce per probe
+    (ParameterShards.sum goes through dynamics.world.all_reduce)."""
+    import multiprocessing
+
+    from dynamics import world
+
+    calls = multiprocessing.Manager().dict()
+    reduce = world.all_reduce
+
+    def counted(tensors, op="sum"):
+        calls[world.rank()] = calls.get(world.rank(), 0) + 1
+        return reduce(tensors, op)
+
+    monkeypatch.setattr(world, "all_reduce", counted)  # the forked ranks inherit it
+    torch.manual_seed(0)
+    module = sharded.module_for("fsdp2", TeacherStudentModule)(**ARCH)
+    probes = [ParameterDisplacement(snapshot_budget_mb=0), TrajectoryGeometry(per_tensor=True)]
+    recorder = DynamicsRecorder(tmp_path / "run.h5", probes)
+    data = TeacherStudentData(**ARCH, batch_size=8)
+    sharded.fit("fsdp2", module, data, [recorder], max_steps=3, limit_val_batches=0)
+    assert dict(calls) == {0: 2 * 3, 1: 2 * 3}
+    assert len(open_run(tmp_path / "run.h5").series("trajectory")) == 3
