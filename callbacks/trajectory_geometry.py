@@ -126,7 +126,7 @@ class TrajectoryGeometry(Probe):
         device = pieces[0].device
         # float64 keeps the sum of many small lengths exact enough; MPS has no float64.
         self._sums = torch.float32 if device.type == "mps" else torch.float64
-        if self._theta0 is None:  # a resumed fit restored its state from the checkpoint
+        if self._theta0 is None:  # a new path (a resumed fit restored its state instead)
             self._theta0 = [p.to(_work_dtype(p)).clone() for p in pieces]
             self._path = torch.zeros((), dtype=self._sums)
             if self.per_tensor:

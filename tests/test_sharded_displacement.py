@@ -5,9 +5,11 @@ and a file an unsharded module loads offline."""
 from __future__ import annotations
 
 import math
+import multiprocessing
 
 import numpy as np
 import pytest
+import pytorch_lightning as pl
 import torch
 
 from dynamics import open_run
@@ -28,8 +30,24 @@ def budget_mb() -> float:
     return 3.5 * 4 * size / 2**20
 
 
+class States(pl.Callback):
+    """Rank zero's checkpoint states of the probes at the end of the fit."""
+
+    def __init__(self, name: str, probes: list, results) -> None:
+        self.name, self.probes, self.results = name, probes, results
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.results[self.name] = {p.name: p.state_dict() for p in self.probes}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def states() -> dict:
+    return multiprocessing.Manager().dict()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, states) -> dict:
     """The run file of the same fit under each strategy."""
     folder = tmp_path_factory.mktemp("sharded_displacement")
     paths = {}
@@ -43,7 +61,8 @@ def runs(tmp_path_factory) -> dict:
         ]
         recorder = DynamicsRecorder(paths[name], probes)
         data = TeacherStudentData(**ARCH, batch_size=8)
-        sharded.fit(name, module, data, [recorder], max_steps=STEPS, limit_val_batches=0)
+        callbacks = [recorder, States(name, probes, states)]
+        sharded.fit(name, module, data, callbacks, max_steps=STEPS, limit_val_batches=0)
     return {name: open_run(path) for name, path in paths.items()}
 
 
@@ -126,3 +145,31 @@ def test_each_step_costs_each_probe_one_all_reduce(tmp_path, monkeypatch):
     sharded.fit("fsdp2", module, data, [recorder], max_steps=3, limit_val_batches=0)
     assert dict(calls) == {0: 2 * 3, 1: 2 * 3}
     assert len(open_run(tmp_path / "run.h5").series("trajectory")) == 3
+
+
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+def test_rank_zeros_checkpoint_state_holds_the_whole_theta0(runs, states, name):
+    """What Lightning saves of a sharded fit: rank zero's states. The displacement's holds the
+    whole θ0, as DDP's does; the path's says it is a sharded fit's, so that a resume refuses."""
+    torch.testing.assert_close(
+        states[name]["displacement"]["theta0"], states["ddp"]["displacement"]["theta0"]
+    )
+    assert states[name]["trajectory"] == {"sharded": True}
+    assert "theta0" in states["ddp"]["trajectory"]
+
+
+def test_a_sharded_fits_path_is_not_resumed_as_if_it_were_whole():
+    """Rank zero's checkpoint holds its part of the path only: the probe steps aside on resume
+    rather than restart the path from the resumed parameters."""
+    from types import SimpleNamespace
+
+    from dynamics.callbacks import ProbeUnavailable
+
+    module = TeacherStudentModule(**ARCH)
+    trainer = SimpleNamespace(optimizers=[], global_step=4)
+    probe = TrajectoryGeometry()
+    probe.load_state_dict({"sharded": True})
+    with pytest.raises(
+        ProbeUnavailable, match="TrajectoryGeometry: the checkpoint is of a sharded"
+    ):
+        probe.setup(trainer, module, None)
