@@ -14,9 +14,11 @@ from dynamics.callbacks.probe import (
     Rows,
     SeriesSpec,
     expected_steps,
+    parameter_shards,
 )
 from dynamics.params.layout import BufferLayout, ParameterLayout
-from dynamics.params.vectors import flatten, parameter_vector
+from dynamics.params.vectors import flatten
+from dynamics.sharding import ParameterShards
 from dynamics.store import names
 from dynamics.store.views import standard_view
 
@@ -70,7 +72,8 @@ class ParameterDisplacement(Probe):
         self.snapshot_budget_mb = snapshot_budget_mb
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.snapshot_dtype = snapshot_dtype
-        self.layout: ParameterLayout | None = None  # set at setup, from the module
+        self.layout: ParameterLayout | None = None  # set at setup, from the module (unsharded)
+        self._shards: ParameterShards | None = None  # which entries of θ this rank holds
         self.buffer_layout: BufferLayout | None = None
         self.snapshot_period = 0  # 0: no snapshots
         self._expected_steps = math.inf  # the Trainer's estimate of the run's optimizer steps
@@ -78,8 +81,12 @@ class ParameterDisplacement(Probe):
         # θ0 and θ_step are kept in one flat order that puts tensors of equal size side by side
         # (``SizeGroups``), so that each size's norms are one kernel over a contiguous block.
         self._groups: SizeGroups | None = None
-        # θ0: in the grouped order once setup has grouped it, in layout order before.
+        # θ0 (this rank's part of it under sharding): in the grouped order once setup has
+        # grouped it, whole and in layout order before (restored from a checkpoint).
         self._theta0: torch.Tensor | None = None
+        # Under sharding, on rank zero: the whole θ0 in layout order, on the host (written at
+        # start, and what a checkpoint keeps: Lightning saves rank zero's callback states).
+        self._whole_theta0: torch.Tensor | None = None
         self._buffers0: dict[str, torch.Tensor] | None = None  # {stored dtype: flat buffers}
         # θ_step, copied before a due step into one buffer preallocated at setup, through its
         # per-tensor views (in the parameters' order).
@@ -89,21 +96,39 @@ class ParameterDisplacement(Probe):
         self._buffers_before: dict[str, torch.Tensor] = {}  # its buffers, on snapshot steps
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        self.layout = ParameterLayout.of(pl_module)
+        shards = self._shards = parameter_shards(trainer, pl_module)
+        self.layout = shards.layout
         self.buffer_layout = BufferLayout.of(pl_module)
-        # Detached views of the parameters: the optimizer's in-place updates show through.
-        self._params = [p.detach() for p in self.layout.parameters(pl_module)]
-        theta0 = self._theta0_in_layout_order()  # a resumed fit restored it from the checkpoint
-        self._groups = SizeGroups(self.layout)
-        if theta0 is None:
-            theta0 = parameter_vector(pl_module, self.layout)
+        # Detached views of the parameters (of this rank's pieces under sharding, taken anew
+        # each step): the optimizer's in-place updates show through.
+        self._params = (
+            [] if shards.sharded else [p.detach() for p in self.layout.parameters(pl_module)]
+        )
+        # Every rank takes the same branch: all start fresh or all restored the same state.
+        if self._theta0 is None:
+            local = shards.local(pl_module)
+            if shards.sharded:
+                whole = shards.gather(local)  # every rank sends, rank zero keeps
+                self._whole_theta0 = whole.cpu() if whole is not None else None
             self._buffers0 = self.buffer_layout.vectors(pl_module)
-        self._theta0 = self._groups.grouped(theta0.to(self._params[0].device))
+        elif self._groups is None:  # the whole θ0, restored from a checkpoint
+            local = shards.part(self._theta0)
+            if shards.sharded:
+                self._whole_theta0 = self._theta0.cpu() if trainer.is_global_zero else None
+        else:  # a previous fit's, this rank's part
+            local = self._groups.in_layout_order(self._theta0)
+        # The grouped order of this rank's entries of each tensor (every entry unsharded).
+        held = self.layout
+        if shards.sharded:
+            held = ParameterLayout(held.names, tuple((n,) for n in shards.here))
+        self._groups = SizeGroups(held)
+        self._theta0 = self._groups.grouped(local.to(self._pieces(pl_module)[0].device))
         self._before = torch.empty_like(self._theta0)
         self._before_views = self._groups.views(self._before)
         steps = expected_steps(trainer, pl_module)
         # Lightning answers -1 (max_steps' default) for an iterable dataset of unknown length.
         self._expected_steps = steps if 0 < steps < math.inf else math.inf
+        # Planned on the whole θ's size, as unsharded: the same snapshots are kept.
         self.snapshot_period, reason = self._snapshot_plan()
         if reason:
             self.note(trainer.global_step, f"{reason}: storing θ0 and θT only")
@@ -174,13 +199,16 @@ class ParameterDisplacement(Probe):
         return super().is_due(step) or self._snapshot_due(step)
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
-        if trainer.is_global_zero:  # only rank 0 writes, and the ranks' parameters agree
-            # One foreach copy into the preallocated buffer's views: no concatenation, no
-            # allocation per step.
-            torch._foreach_copy_(self._before_views, self._params)
-            self._copied = True
-            if self._snapshot_due(step):
-                self._buffers_before = self.buffer_layout.vectors(pl_module)
+        # Unsharded only rank 0 works (it writes, and the ranks' parameters agree); sharded,
+        # every rank holds a part and takes part in the step's collectives.
+        if not (trainer.is_global_zero or self._shards.sharded):
+            return
+        # One foreach copy into the preallocated buffer's views: no concatenation, no
+        # allocation per step.
+        torch._foreach_copy_(self._before_views, self._pieces(pl_module))
+        self._copied = True
+        if self._snapshot_due(step) and trainer.is_global_zero:
+            self._buffers_before = self.buffer_layout.vectors(pl_module)
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         if not self._copied:
@@ -189,27 +217,41 @@ class ParameterDisplacement(Probe):
         rows: Rows = {}
         if self._snapshot_due(step):
             buffers, self._buffers_before = self._buffers_before, {}
-            rows[names.SNAPSHOTS] = {
-                # A copy in the layout's order: the buffer is reused next step.
-                names.SNAPSHOT_THETA: self._groups.in_layout_order(self._before),
-                **{names.buffer_vector(names.SNAPSHOT_BUFFERS, d): b for d, b in buffers.items()},
-            }
+            # A copy in the layout's order (the buffer is reused next step), whole on rank 0.
+            theta = self._shards.gather(self._groups.in_layout_order(self._before))
+            if theta is not None:  # None on the other ranks under sharding: rank 0 writes
+                rows[names.SNAPSHOTS] = {
+                    names.SNAPSHOT_THETA: theta,
+                    **{
+                        names.buffer_vector(names.SNAPSHOT_BUFFERS, d): b
+                        for d, b in buffers.items()
+                    },
+                }
         if super().is_due(step):
             # θ_step − θ0 in one flat op and one norm kernel per size of tensor; then
             # θ_step − θ_step+1 in place, per tensor, and one norm of the whole buffer. The
             # difference is a temporary: between steps the probe holds θ0 and θ_step only.
             per_tensor = self._groups.norms(torch.sub(self._before, self._theta0))
-            torch._foreach_sub_(self._before_views, self._params)
+            torch._foreach_sub_(self._before_views, self._pieces(pl_module))
+            update = torch.linalg.vector_norm(self._before)
+            if self._shards.sharded:
+                per_tensor, update = self._whole_norms(per_tensor, update)
             rows[names.DISPLACEMENT] = {
                 names.DISPLACEMENT_TOTAL: torch.linalg.vector_norm(per_tensor),
                 names.DISPLACEMENT_PER_TENSOR: per_tensor,
-                names.DISPLACEMENT_UPDATE: torch.linalg.vector_norm(self._before),
+                names.DISPLACEMENT_UPDATE: update,
             }
         return rows
 
     def final_vectors(self, trainer, pl_module) -> dict[str, np.ndarray]:
+        if self._shards.sharded:
+            theta = self._shards.gather(self._shards.local(pl_module))
+            if theta is None:
+                return {}  # ranks but zero: rank zero writes
+        else:
+            theta = flatten(self._params)
         return {
-            names.THETA_FINAL: flatten(self._params).cpu().numpy(),
+            names.THETA_FINAL: theta.cpu().numpy(),
             names.THETA_FINAL_STEP: np.array([trainer.global_step], dtype=np.float64),
             **self._buffer_arrays(names.THETA_FINAL_BUFFERS, self.buffer_layout.vectors(pl_module)),
         }
@@ -235,9 +277,24 @@ class ParameterDisplacement(Probe):
         self._buffers0 = state.get("buffers0")
 
     def _theta0_in_layout_order(self) -> torch.Tensor | None:
+        """The whole θ0 in layout order; None on ranks but zero under sharding."""
         if self._theta0 is None or self._groups is None:
             return self._theta0
+        if self._shards.sharded:
+            return self._whole_theta0
         return self._groups.in_layout_order(self._theta0)
+
+    def _pieces(self, pl_module: pl.LightningModule) -> list[torch.Tensor]:
+        """The parameters as the probe reads them: views of whole tensors, or under sharding
+        of this rank's flat pieces, looked up each step (cheap, and FSDP may rebind them)."""
+        return self._shards.pieces(pl_module) if self._shards.sharded else self._params
+
+    def _whole_norms(self, per_tensor: torch.Tensor, update: torch.Tensor) -> list[torch.Tensor]:
+        """The whole vectors' norms from the norms of this rank's parts: their squares summed
+        over the ranks in one all-reduce."""
+        parts = [per_tensor, update]
+        squares = self._shards.sum([n.double().square() for n in parts])
+        return [s.sqrt().to(n.dtype) for s, n in zip(squares, parts)]
 
     def _snapshot_due(self, step: int) -> bool:
         return bool(self.snapshot_period) and step % self.snapshot_period == 0

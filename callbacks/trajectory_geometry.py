@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
-from dynamics.params.layout import ParameterLayout
+from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec, parameter_shards
+from dynamics.params.naming import named_parameters
+from dynamics.sharding import ParameterShards
 from dynamics.store import View, names
 
 if TYPE_CHECKING:
@@ -80,56 +81,77 @@ class TrajectoryGeometry(Probe):
         self.gradient_problem: str | None = None  # why the gradient cannot be known, at setup
         self.tensor_problem: str | None = None  # why the per-tensor series cannot be, at setup
         self._tensor_names: list[str] = []
+        self._shards: ParameterShards | None = None  # which entries of θ this rank holds
+        # Detached views of the parameters, unsharded; under sharding this rank's pieces are
+        # looked up each step (FSDP may rebind them).
         self._params: list[torch.Tensor] = []
         self._in_optimizer: list[bool] = []  # per parameter: does an optimizer hold it
-        self._theta0: list[torch.Tensor] | None = None
+        self._params_held: list[torch.Tensor] = []  # the parameters themselves, for .grad
+        self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for missing gradients
+        self._theta0: list[torch.Tensor] | None = None  # this rank's part under sharding
         self._before: list[torch.Tensor] = []  # θt, copied before a step
-        self._previous: list[torch.Tensor] | None = None  # Δt−1 / ‖Δt−1‖
+        # Δt−1, or a positive multiple of it (a checkpoint of an older version holds its
+        # direction): cosines do not see the scale. Its squared norms per tensor, summed
+        # over the ranks, beside it.
+        self._previous: list[torch.Tensor] | None = None
+        self._previous_squares: torch.Tensor | None = None
         self._path: torch.Tensor | None = None  # Σ ‖Δs‖ so far
         self._tensor_path: torch.Tensor | None = None  # Σ ‖Δs,i‖ so far, per tensor i
-        self._previous_tensors: list[torch.Tensor] | None = None  # Δt−1,i / ‖Δt−1,i‖
-        self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for missing gradients
+        self._sums = torch.float64  # the accumulators' dtype (MPS has no float64)
+        self._from_sharded = False  # the state restored is a sharded fit's (not kept)
         self._armed = False
         self._noted: set[str] = set()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        layout = ParameterLayout.of(pl_module)
-        self._params = layout.parameters(pl_module)
-        self._tensor_names = list(layout.names)
+        shards = self._shards = parameter_shards(trainer, pl_module)
+        if self._from_sharded:  # every rank restored the same state: every rank raises
+            raise ProbeUnavailable(
+                "TrajectoryGeometry: the checkpoint is of a sharded fit, whose path so far "
+                "(θ0 and the last update, held in parts by the ranks) it does not keep; "
+                "start a new run file to record the path from here"
+            )
+        self._tensor_names = list(shards.layout.names)
+        found = dict(named_parameters(pl_module))
+        params = [found[n] for n in self._tensor_names]
         held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
-        self._in_optimizer = [id(p) in held for p in self._params]
+        self._in_optimizer = [id(p) in held for p in params]
+        self._params_held = params
+        self._params = [] if shards.sharded else [p.detach() for p in params]
         self.gradient_problem = _gradient_problem(trainer, pl_module)
         if self.gradient_problem:
             self._note_once(
                 trainer.global_step, f"gradient_cosine not recorded: {self.gradient_problem}"
             )
-        device = self._params[0].device
-        params = [p.detach() for p in self._params]
-        if self._theta0 is None:  # a resumed fit restored its state from the checkpoint
-            self._theta0 = [p.to(_work_dtype(p)).clone() for p in params]
-            # float64 keeps the sum of many small lengths exact enough; MPS has no float64.
-            accumulator = torch.float32 if device.type == "mps" else torch.float64
-            self._path = torch.zeros((), dtype=accumulator)
+        pieces = self._pieces(pl_module)
+        device = pieces[0].device
+        # float64 keeps the sum of many small lengths exact enough; MPS has no float64.
+        self._sums = torch.float32 if device.type == "mps" else torch.float64
+        if self._theta0 is None:  # a new path (a resumed fit restored its state instead)
+            self._theta0 = [p.to(_work_dtype(p)).clone() for p in pieces]
+            self._path = torch.zeros((), dtype=self._sums)
             if self.per_tensor:
-                self._tensor_path = torch.zeros(len(params), dtype=accumulator)
-        elif self.per_tensor and self._tensor_path is None:
-            self.tensor_problem = (
-                "resumed from a checkpoint of a fit without per_tensor, so the per-tensor path "
-                "lengths so far are unknown"
-            )
-            self._note_once(
-                trainer.global_step, f"per-tensor series not recorded: {self.tensor_problem}"
-            )
+                self._tensor_path = torch.zeros(len(pieces), dtype=self._sums)
+        else:
+            self._theta0 = self._parts(self._theta0, pieces)
+            if self._previous is not None:
+                self._previous = self._parts(self._previous, pieces)
+                if self._previous_squares is None:  # an older, unsharded fit's checkpoint
+                    self._previous_squares = _squares(self._previous, self._sums)
+            if self.per_tensor and self._tensor_path is None:
+                self.tensor_problem = (
+                    "resumed from a checkpoint of a fit without per_tensor, so the per-tensor "
+                    "path lengths so far are unknown"
+                )
+                self._note_once(
+                    trainer.global_step, f"per-tensor series not recorded: {self.tensor_problem}"
+                )
         if not self.per_tensor:  # a checkpoint of a fit with per_tensor: not continued
-            self._tensor_path, self._previous_tensors = None, None
-        self._theta0 = [t.to(device) for t in self._theta0]
+            self._tensor_path = None
         self._path = self._path.to(device)
-        if self._previous is not None:
-            self._previous = [t.to(device) for t in self._previous]
+        if self._previous_squares is not None:
+            self._previous_squares = self._previous_squares.to(device, self._sums)
         if self._tensor_path is not None:
             self._tensor_path = self._tensor_path.to(device)
-        if self._previous_tensors is not None:
-            self._previous_tensors = [t.to(device) for t in self._previous_tensors]
         self._before = [torch.empty_like(t) for t in self._theta0]
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
@@ -161,118 +183,146 @@ class TrajectoryGeometry(Probe):
         return True  # every update counts in the path; rows are thinned in on_step_end
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
-        if trainer.is_global_zero:  # only rank 0 writes, and the ranks' parameters agree
-            torch._foreach_copy_(self._before, [p.detach() for p in self._params])
+        # Unsharded only rank 0 works (it writes, and the ranks' parameters agree); sharded,
+        # every rank holds a part and takes part in the step's all-reduce.
+        if trainer.is_global_zero or self._shards.sharded:
+            torch._foreach_copy_(self._before, self._pieces(pl_module))
             self._armed = True
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         if not self._armed:
             return {}
         self._armed = False
-        params = [p.detach() for p in self._params]
+        params = self._pieces(pl_module)
         update = torch._foreach_sub(params, self._before)
-        norms = _norms(update)
-        length = torch.linalg.vector_norm(norms)
-        self._path += length
         # θt is no longer needed: its buffer takes θt+1 − θ0.
         torch._foreach_copy_(self._before, params)
         torch._foreach_sub_(self._before, self._theta0)
-        distance = _norm(self._before)
-        directions = None  # per tensor Δt,i / ‖Δt,i‖
+        previous, self._previous = self._previous, update
+        # Every quantity is a sum per tensor over this rank's entries, all summed over the
+        # ranks in one all-reduce: ‖Δt‖², ‖θt+1 − θ0‖², ‖Δt ∓ Δt−1‖², and for the gradient
+        # ‖gt‖² and ⟨Δt, gt⟩. Every rank stacks the same rows.
+        zeros = torch.zeros(len(update), dtype=self._sums, device=self._path.device)
+        squares = [_squares(update, self._sums), _squares(self._before, self._sums)]
+        if previous is None:
+            squares += [zeros, zeros]
+        else:
+            squares += [
+                _squares(torch._foreach_sub(update, previous), self._sums),
+                _squares(torch._foreach_add(update, previous), self._sums),
+            ]
+        if self.gradient_problem is None:
+            gradient = self._gradient(pl_module, update, step)
+            squares += (
+                [zeros, zeros]
+                if gradient is None
+                else [_squares(gradient, self._sums), _dots(update, gradient, self._sums)]
+            )
+        (sums,) = self._shards.sum([torch.stack(squares)])
+        length2, distance2, minus, plus, *gradient_sums = sums
+        previous2, self._previous_squares = self._previous_squares, length2
+        norms = length2.sqrt()
+        self._path += length2.sum().sqrt()
         if self._tensor_path is not None:
             self._tensor_path += norms
-            directions = torch._foreach_div(update, list(norms.unbind()))
-        torch._foreach_div_(update, length)  # the direction; NaN where the update is zero
-        previous, self._previous = self._previous, update
-        previous_directions, self._previous_tensors = self._previous_tensors, directions
         if not super().is_due(step):
             return {}
-        nan = torch.full((), math.nan, device=length.device)
+        nan = torch.full((), math.nan, dtype=self._sums, device=norms.device)
         rows = {
             names.TRAJECTORY_PATH_LENGTH: self._path.clone(),
-            names.TRAJECTORY_TORTUOSITY: self._path / distance,
+            names.TRAJECTORY_TORTUOSITY: self._path / distance2.sum().sqrt(),
             names.TRAJECTORY_UPDATE_COSINE: (
-                nan if previous is None else _unit_cosine(update, previous)
+                nan
+                if previous is None
+                else _cosine(length2.sum(), previous2.sum(), minus.sum(), plus.sum())
             ),
         }
-        if directions is not None:
+        if self._tensor_path is not None:
             rows[names.TRAJECTORY_PATH_LENGTH_PER_TENSOR] = self._tensor_path.clone()
             rows[names.TRAJECTORY_UPDATE_COSINE_PER_TENSOR] = (
                 torch.full_like(norms, math.nan)
-                if previous_directions is None
-                else _unit_cosines(directions, previous_directions)
+                if previous is None
+                else _cosine(length2, previous2, minus, plus)
             )
-        if self.gradient_problem is None:
-            rows.update(self._gradient_cosines(update, directions, step))
+        if gradient_sums:
+            # A dot product, not the law of cosines: ‖Δt‖ and ‖gt‖ differ by the learning
+            # rate's order, and ‖Δt ± gt‖² would lose that many digits to cancellation. A
+            # tensor without a gradient (a zero stand-in) gets 0/0: NaN, no direction.
+            gradient2, dot = gradient_sums
+            rows[names.TRAJECTORY_GRADIENT_COSINE] = _dot_cosine(
+                length2.sum(), gradient2.sum(), -dot.sum()
+            )
+            if self._tensor_path is not None:
+                rows[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR] = _dot_cosine(
+                    length2, gradient2, -dot
+                )
         return {names.TRAJECTORY: rows}
 
     def teardown(self) -> None:
         # The next fit() starts a new path, unless a checkpoint restores this one.
         self._theta0, self._previous, self._path = None, None, None
-        self._tensor_path, self._previous_tensors, self.tensor_problem = None, None, None
+        self._previous_squares, self._tensor_path, self.tensor_problem = None, None, None
         self._before, self._zeros, self._armed = [], {}, False
+        self._params_held = []
 
     def state_dict(self) -> dict[str, Any]:
         if self._theta0 is None:
             return {}
+        if self._shards is not None and self._shards.sharded:
+            # Lightning keeps rank zero's state only, and rank zero holds a part of θ0 and
+            # of the last update: gathering them at each checkpoint is not worth it.
+            return {"sharded": True}
         return {
             "theta0": [t.cpu() for t in self._theta0],
             "path": self._path.cpu(),
             "previous": None if self._previous is None else [t.cpu() for t in self._previous],
-            "tensor_path": None if self._tensor_path is None else self._tensor_path.cpu(),
-            "previous_tensors": (
-                None
-                if self._previous_tensors is None
-                else [t.cpu() for t in self._previous_tensors]
+            "previous_squares": (
+                None if self._previous_squares is None else self._previous_squares.cpu()
             ),
+            "tensor_path": None if self._tensor_path is None else self._tensor_path.cpu(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._from_sharded = bool(state.get("sharded"))
         self._theta0 = state.get("theta0")
         self._path = state.get("path")
         self._previous = state.get("previous")
+        self._previous_squares = state.get("previous_squares")
         self._tensor_path = state.get("tensor_path")
-        self._previous_tensors = state.get("previous_tensors")
 
-    def _gradient_cosines(
-        self,
-        direction: list[torch.Tensor],
-        directions: list[torch.Tensor] | None,
-        step: int,
-    ) -> dict[str, torch.Tensor]:
-        """cos(Δt, −gt) = 1 − ‖Δ̂ + ĝ‖²/2 from the update's direction Δ̂ (see _unit_cosine),
-        and per tensor from its directions ``directions`` when given (else not)."""
-        grads = [
-            p.grad if held and p.grad is not None else None
-            for p, held in zip(self._params, self._in_optimizer)
-        ]
+    def _pieces(self, pl_module: pl.LightningModule) -> list[torch.Tensor]:
+        """The parameters as the probe reads them: whole tensors, or this rank's pieces."""
+        return self._shards.pieces(pl_module) if self._shards.sharded else self._params
+
+    def _parts(self, tensors: list[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's part of whole restored ``tensors``, shaped and placed as ``pieces``."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        parts = torch.split(self._shards.part(flat), self._shards.here)
+        return [t.to(p.device).view(p.shape) for t, p in zip(parts, pieces)]
+
+    def _gradient(
+        self, pl_module: pl.LightningModule, like: list[torch.Tensor], step: int
+    ) -> list[torch.Tensor] | None:
+        """This rank's part of the gradient per tensor, shaped as ``like`` (zeros for a
+        parameter outside every optimizer or without one), or None (with a note) when this
+        rank has none at all."""
+        if self._shards.sharded:
+            flat = self._shards.local_grad(pl_module)  # a copy: masked in place below
+            grads = [] if flat is None else list(torch.split(flat, self._shards.here))
+        else:  # the gradients themselves, no copy
+            grads = [p.grad for p in self._params_held]
+        grads = [g if held else None for g, held in zip(grads, self._in_optimizer)]
         if all(g is None for g in grads):
             self._note_once(
                 step,
                 "no parameter had a gradient when the optimizer step ended; gradient_cosine "
                 "recorded NaN",
             )
-            nan = torch.full((len(direction),), math.nan, device=direction[0].device)
-            rows = {names.TRAJECTORY_GRADIENT_COSINE: nan[0]}
-            if directions is not None:
-                rows[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR] = nan
-            return rows
-        gradient = [
-            g.to(d.dtype) if g is not None else self._zero(i, d)
-            for i, (g, d) in enumerate(zip(grads, direction))
+            return None
+        return [
+            g.view(d.shape).to(d.dtype) if g is not None else self._zero(i, d)
+            for i, (g, d) in enumerate(zip(grads, like))
         ]
-        norms = _norms(gradient)
-        unit = torch._foreach_div(gradient, torch.linalg.vector_norm(norms))
-        torch._foreach_add_(unit, direction)
-        rows = {names.TRAJECTORY_GRADIENT_COSINE: (1 - _norm(unit) ** 2 / 2).clamp(-1, 1)}
-        if directions is not None:
-            # A tensor without a gradient (a zero stand-in) gets 0/0: NaN, no direction.
-            units = torch._foreach_div(gradient, list(norms.unbind()))
-            torch._foreach_add_(units, directions)
-            rows[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR] = (1 - _norms(units) ** 2 / 2).clamp(
-                -1, 1
-            )
-        return rows
 
     def _zero(self, i: int, like: torch.Tensor) -> torch.Tensor:
         if i not in self._zeros:
@@ -306,21 +356,28 @@ def _work_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
-def _unit_cosine(u: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
-    """cos(u, v) of unit vectors as 1 − ‖u − v‖²/2: accurate near ±1, unlike a dot product."""
-    return (1 - _norm(torch._foreach_sub(u, v)) ** 2 / 2).clamp(-1, 1)
+def _cosine(
+    a: torch.Tensor, b: torch.Tensor, minus: torch.Tensor, plus: torch.Tensor
+) -> torch.Tensor:
+    """cos(a, b) from ‖a‖², ‖b‖², ‖a − b‖² and ‖a + b‖² (sums over shards, elementwise for
+    per-tensor rows) by the law of cosines, 1 ∓ cos = (‖a ∓ b‖² − (‖a‖ − ‖b‖)²) / 2‖a‖‖b‖ from
+    the shorter of a ∓ b: accurate near ±1, unlike a dot product; NaN for a zero vector."""
+    na, nb = a.sqrt(), b.sqrt()
+    gap, twice = (na - nb).square(), 2 * na * nb
+    cosine = torch.where(minus <= plus, 1 - (minus - gap) / twice, (plus - gap) / twice - 1)
+    return cosine.clamp(-1, 1)
 
 
-def _unit_cosines(u: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
-    """cos(uᵢ, vᵢ) per tensor of tensors of unit norm, as :func:`_unit_cosine`."""
-    return (1 - _norms(torch._foreach_sub(u, v)) ** 2 / 2).clamp(-1, 1)
+def _dot_cosine(a: torch.Tensor, b: torch.Tensor, dot: torch.Tensor) -> torch.Tensor:
+    """cos(a, b) from ‖a‖², ‖b‖² and ⟨a, b⟩; NaN for a zero vector."""
+    return (dot / (a.sqrt() * b.sqrt())).clamp(-1, 1)
 
 
-def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The Euclidean norm of each tensor, stacked: one foreach kernel."""
-    return torch.stack(torch._foreach_norm(tensors))
+def _dots(u: list[torch.Tensor], v: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """⟨uᵢ, vᵢ⟩ per pair of tensors, stacked, as ``dtype``."""
+    return torch.stack([p.sum() for p in torch._foreach_mul(u, v)]).to(dtype)
 
 
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The Euclidean norm of the vector the tensors make up, one foreach kernel."""
-    return torch.linalg.vector_norm(_norms(tensors))
+def _squares(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The squared Euclidean norm of each tensor, stacked: one foreach kernel."""
+    return torch.stack(torch._foreach_norm(tensors)).to(dtype).square()
