@@ -101,14 +101,7 @@ def test_vectors_and_snapshots_equal_the_unsharded_runs(runs, name):
     assert settings["snapshots"]["bytes_each"] == 4 * ddp.layout.size
 
 
-# The fit description records FSDP2's classes (fully_shard turns ResidualMLP into a subclass
-# FSDPResidualMLP), which load_into refuses to match with the unsharded module's.
-FSDP2_CLASSES = pytest.mark.xfail(
-    strict=True, reason="the run's submodules are recorded as fully_shard's FSDP<Class>"
-)
-
-
-@pytest.mark.parametrize("name", ["fsdp1", pytest.param("fsdp2", marks=FSDP2_CLASSES)])
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
 def test_a_sharded_run_rebuilds_offline_as_the_unsharded_one(runs, name):
     for step in (0, 4, None):  # θ0, a snapshot, θT
         models = []
