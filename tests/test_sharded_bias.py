@@ -3,6 +3,8 @@ processes): their rows and the recorded audit equal a DDP run's over the same ba
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 import pytest
 import torch
@@ -75,3 +77,35 @@ def test_bias_audit_equals_the_unsharded_runs(runs, name):
     got, reference = recorded_audit(run), recorded_audit(ddp)
     assert reference.layers and reference.activations
     assert got == reference
+
+
+class FailingSplit(LossChangeSplit):
+    """Fails on rank zero (the one that measures) at its second record."""
+
+    def measure(self, *args, **kwargs):
+        if self._sum_delta and not hasattr(self, "_failed"):
+            self._failed = True
+            raise FloatingPointError("the loss is nan at t = 1 on the step")
+        return super().measure(*args, **kwargs)
+
+
+def test_a_split_failing_on_rank_zero_stops_every_rank_and_training_goes_on(tmp_path):
+    """Only rank zero measures; were the other rank left gathering for a probe rank zero has
+    given up, the fit would hang at the next due step."""
+    torch.manual_seed(0)
+    module = sharded.module_for("fsdp1", TeacherStudentModule)(**ARCH)
+    final = tmp_path / "final.pt"
+    recorder = DynamicsRecorder(tmp_path / "x.h5", [FailingSplit(every_n_steps=1)])
+    data = TeacherStudentData(**ARCH, batch_size=8)
+    callbacks = [recorder, sharded.FinalParameters(final)]
+    # A collective left waiting fails the fit in a minute rather than hang the test.
+    strategy = sharded.CPUFSDPStrategy(timeout=timedelta(seconds=60))
+    sharded.fit(
+        "fsdp1", module, data, callbacks, max_steps=STEPS, limit_val_batches=0, strategy=strategy
+    )
+    run = open_run(tmp_path / "x.h5")
+    (event,) = [e for e in run.events() if e.probe == names.LOSS_CHANGE]
+    assert (event.step, event.kind) == (1, names.EVENT_ERROR)
+    assert "FloatingPointError" in event.message
+    np.testing.assert_array_equal(run.series(names.LOSS_CHANGE).step, [0])
+    assert final.exists()  # every rank trained to the end
