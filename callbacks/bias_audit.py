@@ -28,7 +28,9 @@ class BiasAudit(Probe):
     report`` shows it as a section. Side-effect free: every pass restores flags, buffers and
     the random state, and the origin check runs on a copy with its own generator. A compiled
     module is audited uncompiled (its parameters are the same); an audit that fails all the
-    same steps aside with the error's first line.
+    same steps aside with the error's first line. Under FSDP the audit reads a plain copy of
+    the module holding every parameter whole (:func:`dynamics.sharding.unsharded_copy`), so it
+    equals the unsharded run's.
 
     Example::
 
