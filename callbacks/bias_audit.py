@@ -6,9 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 from dynamics.bias.audit_result import SETTINGS_KEY
 from dynamics.bias.auditing import DEFAULT_DRAWS, audit_batch
-from dynamics.callbacks.probe import Probe, ProbeUnavailable
+from dynamics.callbacks.probe import Probe, ProbeUnavailable, parameter_shards
 from dynamics.callbacks.probe_loss import uncompiled
 from dynamics.errors import DynamicsError, one_line
+from dynamics.sharding import unsharded_copy
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -27,7 +28,9 @@ class BiasAudit(Probe):
     report`` shows it as a section. Side-effect free: every pass restores flags, buffers and
     the random state, and the origin check runs on a copy with its own generator. A compiled
     module is audited uncompiled (its parameters are the same); an audit that fails all the
-    same steps aside with the error's first line.
+    same steps aside with the error's first line. Under FSDP the audit reads a plain copy of
+    the module holding every parameter whole (:func:`dynamics.sharding.unsharded_copy`), so it
+    equals the unsharded run's.
 
     Example::
 
@@ -50,11 +53,16 @@ class BiasAudit(Probe):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         source = "the fit's first training batch"
+        # Under sharding the audit reads a plain copy holding every parameter whole (FSDP's
+        # views would count a rank's shard, and its hooks would gather inside the traced pass).
+        trainable = parameter_shards(trainer, pl_module)
+        frozen = parameter_shards(trainer, pl_module, "frozen")
         try:
-            with uncompiled():  # dynamo cannot trace the audit's hooks and copies
-                result = audit_batch(
-                    pl_module, batch, draws=self.draws, seed=self.seed, source=source
-                )
+            with (
+                unsharded_copy(pl_module, trainable, frozen) as module,
+                uncompiled(),  # dynamo cannot trace the audit's hooks and copies
+            ):
+                result = audit_batch(module, batch, draws=self.draws, seed=self.seed, source=source)
         except DynamicsError:
             raise
         except Exception as error:  # a failure deep in user or compiler code: one line

@@ -139,7 +139,7 @@ class BiasComponent(Probe):
         self.image_budget_mb = image_budget_mb
         self._loss = ProbeLoss("BiasComponent", mode, batch)
         self.layers: tuple[str, ...] = ()
-        self._modules: dict[str, nn.Module] = {}
+        self._classes: dict[str, str] = {}  # of each layer, for the settings
         self._axes: dict[str, tuple[int, str]] = {}
         self._function = ""
         self._same_space = False
@@ -158,6 +158,10 @@ class BiasComponent(Probe):
                 loss pass or outputs no tensor, or lacks its feature axis.
         """
         self._loss.setup(trainer, pl_module, batch)
+        with self._loss.whole(pl_module) as module:  # under sharding a plain copy, unwrapped
+            self._find_layers(trainer, module)
+
+    def _find_layers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         named = {n: m for n, m in pl_module.named_modules() if n}
         unmatched = [p for p in self.patterns if not matched(p, named)]
         unmatched += [f"feature_dims {p!r}" for p in self.feature_dims if not matched(p, named)]
@@ -173,7 +177,6 @@ class BiasComponent(Probe):
             for n, m in named.items()
             if glob_any(n, self.patterns) and type(m).forward is not nn.Module.forward
         )
-        self._modules = {n: named[n] for n in self.layers}
         self._axes = {n: self._axis(n, named) for n in self.layers}
         call, shapes = self._pass(pl_module, None, "full")
         # A module called more than once a pass (one ReLU shared by several layers) would have
@@ -190,7 +193,7 @@ class BiasComponent(Probe):
             raise ProbeUnavailable(
                 f"BiasComponent: every layer is called more than once a forward ({reused})"
             )
-        self._modules = {n: self._modules[n] for n in self.layers}
+        self._classes = {n: type(named[n]).__name__ for n in self.layers}
         self._axes = {n: self._axes[n] for n in self.layers}
         for layer in self.layers:
             shape = shapes[layer][0] if layer in shapes else None
@@ -262,7 +265,7 @@ class BiasComponent(Probe):
     def settings(self) -> dict[str, Any]:
         return {
             "layers": {
-                n: {"class": type(self._modules[n]).__name__, "feature_dim": d, "rule": r}
+                n: {"class": self._classes[n], "feature_dim": d, "rule": r}
                 for n, (d, r) in self._axes.items()
             },
             "patterns": list(self.patterns),
@@ -286,7 +289,8 @@ class BiasComponent(Probe):
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
         # Measured before the step's forward, so the row describes θ_step (the contract).
-        self._rows = self._measure(pl_module, step)
+        with self._loss.whole(pl_module) as module:
+            self._rows = self._measure(module, step)
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         rows, self._rows = self._rows, {}
@@ -377,10 +381,10 @@ class BiasComponent(Probe):
             if layer is None:
                 for name in self.layers:
                     hook = observe(name, self._axes[name][0])
-                    handles.append(self._modules[name].register_forward_hook(hook))
+                    handles.append(pl_module.get_submodule(name).register_forward_hook(hook))
             else:
                 hook = replace(self._axes[layer][0])
-                handles.append(self._modules[layer].register_forward_hook(hook))
+                handles.append(pl_module.get_submodule(layer).register_forward_hook(hook))
             with _loss_calls(pl_module, self._loss.mode) as calls:
                 module_loss(pl_module, self._loss.batch)
         finally:

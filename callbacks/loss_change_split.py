@@ -10,9 +10,10 @@ import pytorch_lightning as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
 from dynamics.params.groups import Grouping, ParameterGroups, group_parameters
+from dynamics.params.naming import unwrapped_name
 from dynamics.passes.isolation import Mode, side_effect_free
 from dynamics.passes.loss_change import LossChange, split_loss_change
 from dynamics.passes.loss_rule import loss_at
@@ -100,9 +101,11 @@ class LossChangeSplit(Probe):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self._loss.setup(trainer, pl_module, batch)
-        self.grouping = group_parameters(pl_module, self.groups)
-        found = dict(pl_module.named_parameters())
-        self._params = [found[n] for n in self.grouping.parameters]
+        with self._loss.whole(pl_module) as module:  # groups by the layers, not by the shards
+            self.grouping = group_parameters(module, self.groups)
+        if not self._loss.shards.sharded:
+            found = dict(pl_module.named_parameters())
+            self._params = [found[n] for n in self.grouping.parameters]
         if self._sum_terms is None:  # a resumed fit restored the sums
             self._sum_terms = np.zeros(len(self.grouping.names))
 
@@ -145,17 +148,33 @@ class LossChangeSplit(Probe):
         }
 
     def on_step_start(self, trainer, pl_module, batch, step) -> None:
-        if trainer.is_global_zero:  # rank zero measures and writes; the ranks' θ agree
-            self._before = (
-                [p.detach().clone() for p in self._params],
-                {n: b.detach().clone() for n, b in pl_module.named_buffers()},
-            )
+        # Rank zero measures and writes (the ranks' θ agree); under sharding every rank keeps
+        # its pieces of θ, which rank zero gathers at the step's end, and the buffers (whole on
+        # every rank) go by the names the whole-parameter copy has.
+        sharded = self._loss.shards.sharded
+        if not (sharded or trainer.is_global_zero):
+            return
+        buffers = {}
+        if trainer.is_global_zero:
+            buffers = {
+                unwrapped_name(n) if sharded else n: b.detach().clone()
+                for n, b in pl_module.named_buffers()
+            }
+        if sharded:
+            self._before = ([p.clone() for p in self._loss.shards.pieces(pl_module)], buffers)
+        else:
+            self._before = ([p.detach().clone() for p in self._params], buffers)
 
     def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
         if self._before is None:
             return {}
         (start, buffers), self._before = self._before, None
-        split = self.measure(pl_module, start, [p.detach() for p in self._params], buffers)
+        if self._loss.shards.sharded:
+            split = self._measure_sharded(pl_module, start, buffers)
+            if split is None:
+                return {}
+        else:
+            split = self.measure(pl_module, start, [p.detach() for p in self._params], buffers)
         spanned = trainer.global_step - step
         if spanned > 1:
             self.note(
@@ -227,6 +246,41 @@ class LossChangeSplit(Probe):
                 rtol=self.rtol,
                 max_gradient_evaluations=self.max_gradient_evaluations,
             )
+
+    def _measure_sharded(
+        self,
+        pl_module: pl.LightningModule,
+        pieces: list[torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+    ) -> LossChange | None:
+        """:meth:`measure` on the whole-parameter copy (every rank gathers; rank zero alone
+        measures, None elsewhere). A failure on rank zero is every rank's, so that no rank
+        gathers for a probe the others have given up (one small all-reduce)."""
+        shards = self._loss.shards
+        with self._loss.whole(pl_module) as module:
+            flat = shards.gather(torch.cat(pieces))
+            split, error = None, None
+            if flat is not None:
+                tensors = dict(zip(shards.layout.names, shards.layout.split(flat)))
+                found = dict(module.named_parameters())
+                names_ = self.grouping.parameters
+                try:
+                    split = self.measure(
+                        module,
+                        [tensors[n] for n in names_],
+                        [found[n].detach() for n in names_],
+                        buffers,
+                    )
+                except Exception as failure:  # raised below, after every rank knows
+                    error = failure
+        (failed,) = shards.sum([pieces[0].new_tensor(float(error is not None))])
+        if error is not None:
+            raise error
+        if failed:
+            raise ProbeUnavailable(
+                "LossChangeSplit: rank zero's measurement failed (its event says why)"
+            )
+        return split
 
     def teardown(self) -> None:
         self._before = None
