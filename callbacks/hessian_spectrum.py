@@ -48,19 +48,11 @@ class HessianSpectrum(Probe):
     The loss comes from the module's own loss rule, measured with the module in ``mode``,
     autocast off and the parameters in float32 (float64 for a float64 model), inside
     :func:`~dynamics.passes.isolation.side_effect_free`; under DDP every product is averaged across
-    ranks. Under FSDP (1 and 2) each row is measured on a copy holding the parameters whole on
-    every rank (:meth:`ProbeLoss.whole <dynamics.callbacks.probe_loss.ProbeLoss.whole>`), with
-    the rank's own probe batch and products averaged as under DDP: exact products, the same rows
-    and the same full eigenvectors (written by rank 0) as an unsharded run. The warm-start
-    vectors (and EigenspaceOverlap's θ) stay whole on every rank between rows, so a checkpoint
-    holds them whatever rank saves it. What each series means, the solvers' accuracy, cost and
-    pitfalls: ``docs/probes/hessian_spectrum.md``.
-
-    Peak memory per rank during a row, for n trainable parameters of b bytes each:
-    ``n·b`` (the whole copy, under FSDP only) ``+ 4·n·(basis + kept)`` (float32 vectors: the
-    solver's basis, Lanczos ``max_basis`` or ``max(2k + 20, 3k)``; kept between rows: ``k`` plus
-    the tracking solver's guards, plus 1 with EigenspaceOverlap) plus the double-backward graph
-    of the probe batch, as unsharded.
+    ranks. Under FSDP each row is measured on a copy holding the parameters whole on every
+    rank (:meth:`ProbeLoss.whole <dynamics.callbacks.probe_loss.ProbeLoss.whole>`), with the
+    rank's own probe batch and products averaged as under DDP; the warm-start vectors stay whole
+    on every rank, so any rank's checkpoint holds them. What each series means, the solvers'
+    accuracy, cost, peak memory and pitfalls: ``docs/probes/hessian_spectrum.md``.
 
     Example::
 
