@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec, parameter_shards
+from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, parameter_shards
 from dynamics.params.naming import named_parameters
 from dynamics.sharding import ParameterShards
 from dynamics.store import View, names
@@ -98,18 +98,11 @@ class TrajectoryGeometry(Probe):
         self._path: torch.Tensor | None = None  # Σ ‖Δs‖ so far
         self._tensor_path: torch.Tensor | None = None  # Σ ‖Δs,i‖ so far, per tensor i
         self._sums = torch.float64  # the accumulators' dtype (MPS has no float64)
-        self._from_sharded = False  # the state restored is a sharded fit's (not kept)
         self._armed = False
         self._noted: set[str] = set()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         shards = self._shards = parameter_shards(trainer, pl_module)
-        if self._from_sharded:  # every rank restored the same state: every rank raises
-            raise ProbeUnavailable(
-                "TrajectoryGeometry: the checkpoint is of a sharded fit, whose path so far "
-                "(θ0 and the last update, held in parts by the ranks) it does not keep; "
-                "start a new run file to record the path from here"
-            )
         self._tensor_names = list(shards.layout.names)
         found = dict(named_parameters(pl_module))
         params = [found[n] for n in self._tensor_names]
@@ -126,7 +119,7 @@ class TrajectoryGeometry(Probe):
         device = pieces[0].device
         # float64 keeps the sum of many small lengths exact enough; MPS has no float64.
         self._sums = torch.float32 if device.type == "mps" else torch.float64
-        if self._theta0 is None:  # a new path (a resumed fit restored its state instead)
+        if self._theta0 is None:  # a new path (a resumed fit restored its whole state instead)
             self._theta0 = [p.to(_work_dtype(p)).clone() for p in pieces]
             self._path = torch.zeros((), dtype=self._sums)
             if self.per_tensor:
@@ -268,14 +261,17 @@ class TrajectoryGeometry(Probe):
     def state_dict(self) -> dict[str, Any]:
         if self._theta0 is None:
             return {}
-        if self._shards is not None and self._shards.sharded:
-            # Lightning keeps rank zero's state only, and rank zero holds a part of θ0 and
-            # of the last update: gathering them at each checkpoint is not worth it.
-            return {"sharded": True}
+        # Lightning saves a checkpoint on every rank together, keeps rank zero's states and
+        # gives them to every rank of a resumed fit: under sharding the ranks' parts of θ0 and
+        # of the last update are gathered to rank zero here. The sums are the ranks' already.
+        theta0 = self._whole(self._theta0)
+        previous = None if self._previous is None else self._whole(self._previous)
+        if theta0 is None:
+            return {}  # ranks but zero under sharding: their states are not kept
         return {
-            "theta0": [t.cpu() for t in self._theta0],
+            "theta0": theta0,
             "path": self._path.cpu(),
-            "previous": None if self._previous is None else [t.cpu() for t in self._previous],
+            "previous": previous,
             "previous_squares": (
                 None if self._previous_squares is None else self._previous_squares.cpu()
             ),
@@ -283,12 +279,25 @@ class TrajectoryGeometry(Probe):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._from_sharded = bool(state.get("sharded"))
-        self._theta0 = state.get("theta0")
+        self._theta0 = state.get("theta0")  # whole tensors: setup takes this rank's part
         self._path = state.get("path")
         self._previous = state.get("previous")
         self._previous_squares = state.get("previous_squares")
         self._tensor_path = state.get("tensor_path")
+
+    def _whole(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The whole tensors, on the host, of which ``tensors`` are this rank's parts under
+        sharding (None on ranks but zero; every rank must call it), else ``tensors`` there."""
+        if self._shards is None or not self._shards.sharded:  # whole (or restored, whole)
+            return [t.cpu() for t in tensors]
+        layout = self._shards.layout
+        flat = self._shards.gather(torch.cat([t.reshape(-1) for t in tensors]))
+        if flat is None:
+            return None
+        return [
+            whole.view(shape).to(t.dtype).cpu()
+            for whole, shape, t in zip(torch.split(flat, layout.numels), layout.shapes, tensors)
+        ]
 
     def _pieces(self, pl_module: pl.LightningModule) -> list[torch.Tensor]:
         """The parameters as the probe reads them: whole tensors, or this rank's pieces."""

@@ -31,14 +31,16 @@ def budget_mb() -> float:
 
 
 class States(pl.Callback):
-    """Rank zero's checkpoint states of the probes at the end of the fit."""
+    """Rank zero's checkpoint states of the probes at the end of the fit, taken on every rank
+    together as Lightning takes them (a state may gather the ranks' parts)."""
 
     def __init__(self, name: str, probes: list, results) -> None:
         self.name, self.probes, self.results = name, probes, results
 
     def on_train_end(self, trainer, pl_module) -> None:
+        states = {p.name: p.state_dict() for p in self.probes}
         if trainer.is_global_zero:
-            self.results[self.name] = {p.name: p.state_dict() for p in self.probes}
+            self.results[self.name] = states
 
 
 @pytest.fixture(scope="module")
@@ -141,28 +143,16 @@ def test_each_step_costs_each_probe_one_all_reduce(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
-def test_rank_zeros_checkpoint_state_holds_the_whole_theta0(runs, states, name):
+def test_rank_zeros_checkpoint_state_holds_the_whole_theta0_and_path(runs, states, name):
     """What Lightning saves of a sharded fit: rank zero's states. The displacement's holds the
-    whole θ0, as DDP's does; the path's says it is a sharded fit's, so that a resume refuses."""
+    whole θ0, the path's the whole θ0 and last update and the sums so far, as DDP's do."""
     torch.testing.assert_close(
         states[name]["displacement"]["theta0"], states["ddp"]["displacement"]["theta0"]
     )
-    assert states[name]["trajectory"] == {"sharded": True}
-    assert "theta0" in states["ddp"]["trajectory"]
-
-
-def test_a_sharded_fits_path_is_not_resumed_as_if_it_were_whole():
-    """Rank zero's checkpoint holds its part of the path only: the probe steps aside on resume
-    rather than restart the path from the resumed parameters."""
-    from types import SimpleNamespace
-
-    from dynamics.callbacks import ProbeUnavailable
-
-    module = TeacherStudentModule(**ARCH)
-    trainer = SimpleNamespace(optimizers=[], global_step=4)
-    probe = TrajectoryGeometry()
-    probe.load_state_dict({"sharded": True})
-    with pytest.raises(
-        ProbeUnavailable, match="TrajectoryGeometry: the checkpoint is of a sharded"
-    ):
-        probe.setup(trainer, module, None)
+    expected, got = states["ddp"]["trajectory"], states[name]["trajectory"]
+    assert got.keys() == expected.keys() >= {"theta0", "previous", "path", "tensor_path"}
+    for key in ("theta0", "previous"):
+        assert [t.shape for t in got[key]] == [t.shape for t in expected[key]]
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-8)
+    for key in ("path", "previous_squares", "tensor_path"):
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=0)
