@@ -236,6 +236,7 @@ class GradientPlane(Probe):
 
     def state_dict(self) -> dict[str, Any]:
         # Tensors and plain values only: Lightning loads checkpoints with ``weights_only``.
+        loss = self._loss.state_dict()  # every rank: it gathers the ranks' probe batches
         if self._g0 is None:
             return {}
         plane = {}
@@ -253,7 +254,7 @@ class GradientPlane(Probe):
             "kept_steps": [step for step, _ in self._kept],
             "kept_thetas": [theta for _, theta in self._kept],
             "stride": self._stride,
-            **self._loss.state_dict(),
+            **loss,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

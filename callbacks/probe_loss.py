@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device
 
+from dynamics import world
 from dynamics.callbacks.probe import ProbeUnavailable, detached_copy, parameter_shards
 from dynamics.params.batch_tree import flatten_batch, unflatten_batch
 from dynamics.passes.isolation import Mode, checked_mode
@@ -48,6 +49,8 @@ class ProbeLoss:
         # A checkpoint's batch that could not be stored: the resumed fit cannot measure the same
         # loss, so it measures nothing (the type, for the message).
         self._unrestorable: str | None = None
+        # How many ranks' batches the checkpoint kept (None: one, or an older checkpoint).
+        self._saved_ranks: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """Check the loss rule, keep the probe batch, and learn how parameters are sharded
@@ -63,6 +66,12 @@ class ProbeLoss:
                 f"{self.probe}: the checkpoint could not keep its probe batch (a "
                 f"{self._unrestorable}), so a resumed fit cannot measure the same loss; give a "
                 "batch of dicts, lists and tuples of tensors"
+            )
+        if self._saved_ranks not in (None, world.world_size()):
+            raise ProbeUnavailable(
+                f"{self.probe}: the checkpoint kept the probe batches of {self._saved_ranks} "
+                f"ranks and this fit has {world.world_size()}, so a resumed fit cannot measure "
+                f"the same loss; resume on {self._saved_ranks} ranks"
             )
         try:
             self.source = loss_source(pl_module)
@@ -94,7 +103,8 @@ class ProbeLoss:
     def state_dict(self) -> dict[str, Any]:
         """The probe batch, so a resumed run keeps measuring the same loss: its tree as JSON
         text and its leaves, since a checkpoint loaded with ``weights_only`` (Lightning's
-        default) holds only tensors and plain values."""
+        default) holds only tensors and plain values. Under several ranks every rank's batch,
+        gathered into rank zero's state (the one Lightning keeps); every rank must call."""
         if self.batch is None:
             return {}
         tree, leaves = flatten_batch(move_data_to_device(self.batch, "cpu"))
@@ -102,9 +112,20 @@ class ProbeLoss:
             unflatten_batch(tree, leaves)
         except ValueError:  # a custom batch class: no plain form to store
             return {"batch_unrestorable": next(_unsupported(tree))}
-        return {"batch_tree": json.dumps(tree), "batch_leaves": leaves}
+        state = {"batch_tree": json.dumps(tree), "batch_leaves": leaves}
+        if world.world_size() == 1:
+            return state
+        # Each rank measures on its own batch and Lightning keeps rank zero's states only:
+        # every rank's batch goes into rank zero's state (every rank saves together).
+        states = world.gather_objects_to_zero(state)
+        return {} if states is None else {**state, "batch_by_rank": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        by_rank = state.get("batch_by_rank")
+        if by_rank is not None:
+            self._saved_ranks = len(by_rank)
+            if len(by_rank) == world.world_size():
+                state = by_rank[world.rank()]
         if "batch_tree" in state:
             self.batch = unflatten_batch(json.loads(state["batch_tree"]), state["batch_leaves"])
         self._unrestorable = state.get("batch_unrestorable")

@@ -344,7 +344,8 @@ class RecorderBase:
             for probe in self._active()
         }
         notes: list[str] = []
-        if self._resume_from is not None or trainer.ckpt_path is not None:
+        late = trainer.strategy.restore_checkpoint_after_setup
+        if self._resume_from is not None or trainer.ckpt_path is not None or late:
             # Checked again now that the probes declared their series (and, for strategies that
             # restore a checkpoint after fit start, first now); every rank stops, none hangs.
             problem = None
@@ -579,12 +580,15 @@ class RecorderBase:
             return None  # claimed already: fit() called again on the same recorder
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)  # as ModelCheckpoint does
-            if trainer.ckpt_path is None and self._resume_from is None:
+            # A strategy restoring the checkpoint after fit start (FSDP) has not named it to
+            # the trainer yet: a new run's path is checked at the first batch then.
+            late = trainer.strategy.restore_checkpoint_after_setup
+            if trainer.ckpt_path is None and self._resume_from is None and not late:
                 RunWriter.check_path(self.path, self.overwrite)
             self._lock = RunLock.acquire(self.path)
             # Refused now, before the fit costs anything; a strategy that restores the
             # checkpoint after fit start is checked at the first batch.
-            if self._resume_from is not None or not trainer.strategy.restore_checkpoint_after_setup:
+            if self._resume_from is not None or not late:
                 self._check_continuation(trainer, declared=False)
         except (OSError, RunFileError) as error:
             if self._lock is not None:
@@ -605,7 +609,8 @@ class RecorderBase:
             RunFileError: one line saying why.
         """
         if self._resume_from is None:
-            if trainer.ckpt_path is None:
+            if trainer.ckpt_path is None:  # a new run
+                RunWriter.check_path(self.path, self.overwrite)
                 return []
             if self.path.exists() and not self.overwrite:
                 raise RunFileError(

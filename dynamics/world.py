@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -140,6 +140,20 @@ def gather_to_zero(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     """
     parts = all_gather(tensor)
     return parts if rank() == 0 else None
+
+
+def gather_objects_to_zero(value: Any) -> list[Any] | None:
+    """Every rank's picklable ``value``, in rank order, on rank zero; None elsewhere.
+
+    Example::
+
+        batches = gather_objects_to_zero(state)  # a list on rank zero, None elsewhere
+    """
+    if not is_distributed():
+        return [value]
+    parts = [None] * dist.get_world_size() if rank() == 0 else None
+    dist.gather_object(value, parts, dst=0)
+    return parts
 
 
 #: Whose batch a probe's statistics are of: every rank's (the global batch: sums and counts

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
-from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynamics import open_run
@@ -35,9 +34,6 @@ STEPS = 6
 _X = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
 _Y = _X.flip(-1).tanh()
 DATA = DataLoader(TensorDataset(_X, _Y), batch_size=16)
-# The Hessian's probe batch, given: each rank's default (its own first batch) is not restored
-# (test_each_ranks_own_probe_batch_is_restored).
-PROBE_BATCH = (_X[8:24], _Y[8:24])
 
 
 def every_probe() -> list:
@@ -47,7 +43,7 @@ def every_probe() -> list:
         ParameterDisplacement(snapshot_every_n_steps=2),
         TrajectoryGeometry(per_tensor=True),
         GradientPlane(),
-        HessianSpectrum(k=2, every_n_steps=2, batch=PROBE_BATCH),
+        HessianSpectrum(k=2, every_n_steps=2),
     ]
 
 
@@ -57,12 +53,9 @@ def strategy(name: str):
     return sharded.strategy(name)
 
 
-def fit(
-    name: str, path, folder, max_steps: int, ckpt_path=None, probes=every_probe, given_to="trainer"
-) -> None:
+def fit(name: str, path, folder, max_steps: int, ckpt_path=None, probes=every_probe) -> None:
     """The fit under ``name``, checkpointed every 2 steps into ``folder``, its final
-    parameters saved beside the run file; ``ckpt_path`` given to the Trainer before the fit
-    or to ``fit`` (``given_to``)."""
+    parameters saved beside the run file, resumed from ``ckpt_path`` if given."""
     torch.manual_seed(0)
     module = sharded.module_for(name, TeacherStudentModule)(**ARCH)
     callbacks = [
@@ -79,11 +72,7 @@ def fit(
         enable_checkpointing=True,
         limit_val_batches=0,
     )
-    if given_to == "trainer":
-        trainer.ckpt_path = ckpt_path
-        trainer.fit(module, DATA)
-    else:
-        trainer.fit(module, DATA, ckpt_path=ckpt_path)
+    trainer.fit(module, DATA, ckpt_path=ckpt_path)
 
 
 def _problems(run) -> list[str]:
@@ -101,7 +90,6 @@ def test_a_resumed_sharded_fit_continues_its_run_file_as_an_uninterrupted_one(tm
     fit(name, resumed, tmp_path / "resumed", 3)  # stopped after step 3
     checkpoint = tmp_path / "resumed" / "epoch=1-step=2.ckpt"
     assert (checkpoint / "meta.pt").is_file()  # a torch.distributed.checkpoint folder
-    # Given to the Trainer: fit(ckpt_path=...) is refused (test_a_checkpoint_given_to_fit_...).
     fit(name, resumed, tmp_path / "resumed", STEPS, ckpt_path=checkpoint)
 
     a, b = open_run(straight), open_run(resumed)
@@ -127,26 +115,14 @@ def test_a_resumed_sharded_fit_continues_its_run_file_as_an_uninterrupted_one(tm
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ProcessRaisedException,
-    reason="FSDP strategies restore a checkpoint after on_fit_start, so trainer.ckpt_path is "
-    "still None when the recorder checks its path there and it refuses the existing run file "
-    "('exists; pass overwrite')",
-)
 def test_a_checkpoint_given_to_fit_resumes_a_sharded_fit(tmp_path):
     path, folder = tmp_path / "run.h5", tmp_path / "checkpoints"
     fit("fsdp2", path, folder, 3, probes=lambda: [TrainingLoss()])
     checkpoint = folder / "epoch=1-step=2.ckpt"
-    fit("fsdp2", path, folder, 4, checkpoint, probes=lambda: [TrainingLoss()], given_to="fit")
+    fit("fsdp2", path, folder, 4, checkpoint, probes=lambda: [TrainingLoss()])
     np.testing.assert_array_equal(open_run(path).series("loss").step, np.arange(4))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ProbeLoss.state_dict keeps this rank's probe batch, and Lightning keeps rank zero's "
-    "states only: every rank of the resumed fit measures on rank zero's batch",
-)
 def test_each_ranks_own_probe_batch_is_restored(tmp_path):
     """Under DDP as under FSDP: each rank's default probe batch is its own first batch (rows
     0, 2, ... on rank zero, 1, 3, ... on rank one)."""
@@ -159,3 +135,18 @@ def test_each_ranks_own_probe_batch_is_restored(tmp_path):
     expected, got = open_run(straight).series("hessian"), open_run(resumed).series("hessian")
     np.testing.assert_array_equal(got.step, [0, 2])
     np.testing.assert_array_equal(got["eigenvalues"], expected["eigenvalues"])
+
+
+def test_a_checkpoint_of_two_ranks_resumed_on_one_says_the_probe_batches_cannot_follow(tmp_path):
+    path, folder = tmp_path / "run.h5", tmp_path / "checkpoints"
+    probes = lambda: [TrainingLoss(), HessianSpectrum(k=2, every_n_steps=2)]  # noqa: E731
+    fit("ddp", path, folder, 3, probes=probes)
+    torch.manual_seed(0)
+    trainer = make_quiet_trainer(
+        max_steps=4, callbacks=[DynamicsRecorder(path, probes())], limit_val_batches=0
+    )
+    trainer.fit(TeacherStudentModule(**ARCH), DATA, ckpt_path=folder / "epoch=1-step=2.ckpt")
+    run = open_run(path)
+    np.testing.assert_array_equal(run.series("loss").step, np.arange(4))
+    (event,) = [e for e in run.events() if e.kind == names.EVENT_DISABLED]
+    assert event.probe == "hessian" and "probe batches of 2 ranks" in event.message
