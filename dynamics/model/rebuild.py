@@ -44,6 +44,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -372,12 +373,22 @@ def _built(target: Any, args: Mapping[str, Any], where: str) -> nn.Module:
         raise DynamicsError(f"{where}{name}(...) returned {type(module).__name__}")
     if builds_in_configure_model(module):
         # Lightning builds these layers when a fit starts; offline, nothing else would.
+        built_by_init = any(True for _ in module.parameters())
         try:
             module.configure_model()
         except Exception as error:
-            raise DynamicsError(
-                f"{where}{name}.configure_model() failed: {one_line(error)}"
-            ) from None
+            if not built_by_init:
+                raise DynamicsError(
+                    f"{where}{name}.configure_model() failed: {one_line(error)}"
+                ) from None
+            # A configure_model that shards (FSDP2's fully_shard) needs the fit's process
+            # group, and fails before changing the layers __init__ built: those are the model,
+            # checked against the run's layout and loaded with θ0 by the caller.
+            warnings.warn(
+                f"{where}{name}.configure_model() failed ({one_line(error)}); the model is "
+                "the layers its __init__ built",
+                stacklevel=2,
+            )
     return module
 
 
