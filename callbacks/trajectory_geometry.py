@@ -313,15 +313,18 @@ class TrajectoryGeometry(Probe):
         self, pl_module: pl.LightningModule, like: list[torch.Tensor], step: int
     ) -> list[torch.Tensor] | None:
         """This rank's part of the gradient per tensor, shaped as ``like`` (zeros for a
-        parameter outside every optimizer or without one), or None (with a note) when this
-        rank has none at all."""
+        parameter outside every optimizer or without one), or None (with a note) when the
+        module has none at all."""
         if self._shards.sharded:
             flat = self._shards.local_grad(pl_module)  # a copy: masked in place below
-            grads = [] if flat is None else list(torch.split(flat, self._shards.here))
+            here = self._shards.here
+            grads = [None] * len(here) if flat is None else list(torch.split(flat, here))
         else:  # the gradients themselves, no copy
             grads = [p.grad for p in self._params_held]
         grads = [g if held else None for g, held in zip(grads, self._in_optimizer)]
-        if all(g is None for g in grads):
+        # Under sharding a rank may hold entries of frozen parameters only: it adds zeros, and
+        # whether any rank had a gradient shows in the row (NaN when none had).
+        if all(g is None for g in grads) and not self._shards.sharded:
             self._note_once(
                 step,
                 "no parameter had a gradient when the optimizer step ended; gradient_cosine "

