@@ -146,7 +146,8 @@ class ParameterShards:
     def pieces(self, module: nn.Module) -> list[torch.Tensor]:
         """This rank's entries of each parameter, flat and detached (views, not copies); every
         rank must call it together (FSDP2 may have to put its shards back, see :func:`reshard`)."""
-        reshard(module)
+        if self.sharded:
+            reshard(module)
         params = dict(_selected(module, self._select(module)))
         return [_local_entries(params[name]).detach() for name in self.layout.names]
 
