@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamics.bias.audit_result import SETTINGS_KEY
 from dynamics.bias.auditing import DEFAULT_DRAWS, audit_batch
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, parameter_shards
 from dynamics.callbacks.probe_loss import uncompiled
 from dynamics.errors import DynamicsError, one_line
@@ -51,12 +52,12 @@ class BiasAudit(Probe):
         self.seed = seed
         self._audit: dict[str, Any] = {}
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
         source = "the fit's first training batch"
         # Under sharding the audit reads a plain copy holding every parameter whole (FSDP's
         # views would count a rank's shard, and its hooks would gather inside the traced pass).
-        trainable = parameter_shards(trainer, pl_module)
-        frozen = parameter_shards(trainer, pl_module, "frozen")
+        trainable = parameter_shards(fit, pl_module)
+        frozen = parameter_shards(fit, pl_module, "frozen")
         try:
             with (
                 unsharded_copy(pl_module, trainable, frozen) as module,

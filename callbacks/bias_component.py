@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.output_axes import kind_dim
 from dynamics.callbacks.probe import (
     Probe,
@@ -32,7 +33,6 @@ from dynamics.callbacks.probe import (
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.params.globs import glob_any, glob_match, matched
 from dynamics.passes.isolation import Mode, side_effect_free
-from dynamics.passes.loss_rule import module_loss
 from dynamics.store import View, names
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class BiasComponent(Probe):
         self._target_images: np.ndarray | None = None
         self._rows: Rows = {}
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
         """Find the layers, keep the probe batch, and make one full pass to find the output
         and target.
 
@@ -157,11 +157,11 @@ class BiasComponent(Probe):
                 loss calls no known loss function, or several; a layer is not called by the
                 loss pass or outputs no tensor, or lacks its feature axis.
         """
-        self._loss.setup(trainer, pl_module, batch)
+        self._loss.setup(fit, pl_module, batch)
         with self._loss.whole(pl_module) as module:  # under sharding a plain copy, unwrapped
-            self._find_layers(trainer, module)
+            self._find_layers(fit, module)
 
-    def _find_layers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _find_layers(self, fit: Fit, pl_module: pl.LightningModule) -> None:
         named = {n: m for n, m in pl_module.named_modules() if n}
         unmatched = [p for p in self.patterns if not matched(p, named)]
         unmatched += [f"feature_dims {p!r}" for p in self.feature_dims if not matched(p, named)]
@@ -184,7 +184,7 @@ class BiasComponent(Probe):
         reused = {n: len(shapes[n]) for n in self.layers if len(shapes.get(n, ())) > 1}
         for layer, calls in reused.items():
             self.note(
-                trainer.global_step if trainer is not None else 0,
+                fit.global_step if fit is not None else 0,
                 f"BiasComponent leaves out {layer}: {layer} is called {calls} times in one "
                 "forward, so replacing its output would split several hidden states at once",
             )
@@ -210,7 +210,7 @@ class BiasComponent(Probe):
                 )
         self._function = call.function
         self._same_space = call.function in {f.__name__ for f in SAME_SPACE_LOSSES}
-        self._plan_images(trainer, call)
+        self._plan_images(fit, call)
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         if not self.layers:
@@ -287,12 +287,12 @@ class BiasComponent(Probe):
             "examples": self.examples if self._image_steps else 0,
         }
 
-    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+    def on_step_start(self, fit, pl_module, batch, step) -> None:
         # Measured before the step's forward, so the row describes θ_step (the contract).
         with self._loss.whole(pl_module) as module:
             self._rows = self._measure(module, step)
 
-    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+    def on_step_end(self, fit, pl_module, batch, outputs, step) -> Rows:
         rows, self._rows = self._rows, {}
         return rows
 
@@ -386,7 +386,7 @@ class BiasComponent(Probe):
                 hook = replace(self._axes[layer][0])
                 handles.append(pl_module.get_submodule(layer).register_forward_hook(hook))
             with _loss_calls(pl_module, self._loss.mode) as calls:
-                module_loss(pl_module, self._loss.batch)
+                self._loss.rule(pl_module, self._loss.batch)
         finally:
             for handle in handles:
                 handle.remove()
@@ -421,7 +421,7 @@ class BiasComponent(Probe):
             )
         return -1, "no known module before it: last axis assumed"
 
-    def _plan_images(self, trainer: pl.Trainer, call: _LossCall) -> None:
+    def _plan_images(self, fit: Fit, call: _LossCall) -> None:
         shape = tuple(call.prediction.shape)
         imagelike = len(shape) == 4 and shape[1] in (1, 3)
         if not (imagelike and self._same_space and call.target.shape == call.prediction.shape):
@@ -431,14 +431,14 @@ class BiasComponent(Probe):
         self.examples = min(self.examples, shape[0])
         row_bytes = 4 * math.prod(self._image_row_shape())
         capacity = min(self.image_rows, int(self.image_budget_mb * 2**20 // row_bytes))
-        expected = expected_steps(trainer, trainer.lightning_module)
+        expected = expected_steps(fit)
         if capacity < 2 or not 0 < expected < math.inf:
             why = (
                 "the run's length is unknown"
                 if capacity >= 2
                 else f"image_budget_mb and image_rows hold {capacity} rows of {row_bytes:,} bytes"
             )
-            self.note(trainer.global_step, f"BiasComponent stores no decoded images: {why}")
+            self.note(fit.global_step, f"BiasComponent stores no decoded images: {why}")
             self._image_steps = frozenset()
             return
         self._image_steps = image_steps(int(expected), self.every_n_steps, capacity)

@@ -1,6 +1,6 @@
-"""What a fit is, as JSON the run file keeps: the module's submodules (and which of them
-``torch.compile`` compiled), the optimizers and schedulers with their hyperparameters, and the
-training data when Lightning can describe it.
+"""What a fit is, as JSON the run file keeps: the training loop and its loss rule, the module's
+submodules (and which of them ``torch.compile`` compiled), the optimizers and schedulers with
+their hyperparameters, and the training data when the loop can describe it.
 
 The recorder stores these at the first training batch, so that two runs of any project (not
 only runs whose ``config=`` says what they are) can be compared offline for what they share.
@@ -14,12 +14,11 @@ import json
 from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
+from dynamics.callbacks.fit import Fit
 from dynamics.model.record import class_path
 from dynamics.params.naming import compiled_modules, named_submodules
 from dynamics.store import names
@@ -36,24 +35,27 @@ __all__ = [
 ]
 
 
-def fit_attributes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-    """The root attributes describing the fit: submodules, optimizers, schedulers, precision
-    and data. One that cannot be described (a custom scheduler whose ``state_dict`` raises) is
-    left out with a warning, so that it reads "not recorded" and the fit goes on."""
+def fit_attributes(fit: Fit) -> dict[str, Any]:
+    """The root attributes describing the fit: the loop and its loss rule, submodules,
+    optimizers, schedulers, precision and data. One that cannot be described (a custom
+    scheduler whose ``state_dict`` raises) is left out with a warning, so that it reads "not
+    recorded" and the fit goes on."""
     describe: dict[str, Callable[[], Any]] = {
-        names.ATTR_SUBMODULES: lambda: submodules(pl_module),
-        names.ATTR_COMPILED: lambda: compiled_modules(pl_module),
-        names.ATTR_OPTIMIZERS: lambda: optimizer_settings(trainer),
-        names.ATTR_SCHEDULERS: lambda: scheduler_settings(trainer),
-        names.ATTR_PRECISION: lambda: str(trainer.precision),
-        names.ATTR_DATA: lambda: data_description(trainer),
+        names.ATTR_LOOP: lambda: fit.loop,
+        names.ATTR_LOSS_RULE: lambda: fit.loss_rule.to_dict(),
+        names.ATTR_SUBMODULES: lambda: submodules(fit.module),
+        names.ATTR_COMPILED: lambda: compiled_modules(fit.module),
+        names.ATTR_OPTIMIZERS: lambda: optimizer_settings(fit),
+        names.ATTR_SCHEDULERS: lambda: scheduler_settings(fit),
+        names.ATTR_PRECISION: lambda: str(fit.precision),
+        names.ATTR_DATA: lambda: data_description(fit),
     }
     described = {}
     for name, how in describe.items():
         try:
             described[name] = json.loads(json.dumps(how()))  # JSON, as the file stores it
         except Exception as error:
-            rank_zero_warn(
+            fit.warn(
                 f"DynamicsRecorder: the run's {name} is not recorded "
                 f"({type(error).__name__}: {error})"
             )
@@ -90,7 +92,7 @@ def submodules(module: nn.Module) -> dict[str, list[str]]:
     }
 
 
-def optimizer_settings(trainer: pl.Trainer) -> list[dict[str, Any]]:
+def optimizer_settings(fit: Fit) -> list[dict[str, Any]]:
     """Each optimizer's class and its parameter groups' hyperparameters (the parameters
     themselves left out, their count kept)."""
     return [
@@ -102,11 +104,11 @@ def optimizer_settings(trainer: pl.Trainer) -> list[dict[str, Any]]:
                 for group in optimizer.param_groups
             ],
         }
-        for optimizer in trainer.optimizers
+        for optimizer in fit.optimizers
     ]
 
 
-def scheduler_settings(trainer: pl.Trainer) -> list[dict[str, Any]]:
+def scheduler_settings(fit: Fit) -> list[dict[str, Any]]:
     """Each learning-rate scheduler's class, when it steps, and the public part of its state
     (step sizes, factors, base learning rates), as at the first training batch."""
     return [
@@ -120,21 +122,21 @@ def scheduler_settings(trainer: pl.Trainer) -> list[dict[str, Any]]:
                 if not k.startswith("_") and k != "last_epoch"  # progress, not setting
             },
         }
-        for config in trainer.lr_scheduler_configs
+        for config in fit.schedulers
     ]
 
 
-def data_description(trainer: pl.Trainer) -> dict[str, Any]:
+def data_description(fit: Fit) -> dict[str, Any]:
     """The DataModule's class and saved hyperparameters, and each training loader's dataset
-    class, length, batch size and sampler; empty when Lightning knows neither."""
+    class, length, batch size and sampler; empty when the loop knows neither."""
     described: dict[str, Any] = {}
-    datamodule = getattr(trainer, "datamodule", None)
+    datamodule = fit.datamodule
     if datamodule is not None:
         described["datamodule"] = {
             "class_path": class_path(datamodule),
             "init_args": plain(dict(getattr(datamodule, "hparams_initial", {}) or {})),
         }
-    loaders = _leaves(trainer.train_dataloader)
+    loaders = _leaves(fit.train_dataloader)
     if loaders:
         described["train"] = [_loader(loader) for loader in loaders]
     return described
@@ -154,7 +156,7 @@ def _loader(loader: Any) -> dict[str, Any]:
 
 
 def _leaves(loaders: Any) -> list[Any]:
-    """The loaders of Lightning's train iterables (one, or a list or dict of them)."""
+    """The loaders of a loop's train iterables (one, or a list or dict of them)."""
     if loaders is None:
         return []
     if isinstance(loaders, Mapping):

@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 
 from dynamics import world
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss
 from dynamics.geometry.landscape import LossSurface, Trajectory, evaluate_grid, trajectory
@@ -25,7 +26,7 @@ from dynamics.geometry.plane import (
 )
 from dynamics.params.batch_tree import flatten_batch
 from dynamics.params.layout import ParameterLayout
-from dynamics.params.vectors import parameter_vector, storable, vector_hash
+from dynamics.params.vectors import module_device, parameter_vector, storable, vector_hash
 from dynamics.passes.initial_gradient import initial_gradient
 from dynamics.passes.isolation import Mode, side_effect_free
 from dynamics.sharding import ParameterShards
@@ -104,8 +105,8 @@ class GradientPlane(Probe):
     def mode(self) -> Mode:
         return self._loss.mode
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        self._loss.setup(trainer, pl_module, batch)
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._loss.setup(fit, pl_module, batch)
         self._shards = self._loss.shards
         self.layout = self._shards.layout
         if self._g0 is None:  # a resumed fit restored g0 and θ0 from the checkpoint
@@ -113,7 +114,9 @@ class GradientPlane(Probe):
             # under DDP; the copy is freed when the block ends.
             with self._loss.whole(pl_module) as module:
                 self._theta0 = parameter_vector(module, self.layout)
-                self._g0 = initial_gradient(module, self._loss.batch, self.layout, self.mode)
+                self._g0 = initial_gradient(
+                    module, self._loss.batch, self.layout, self.mode, self._loss.rule
+                )
         if self.partner is not None and self.plane is None:
             try:
                 self.plane = self._plane_with_partner()
@@ -121,7 +124,7 @@ class GradientPlane(Probe):
                 # Runs that differ only in the learning rate or the optimizer share g0: no plane,
                 # but g0 and the probe batch are this run's as ever, for the offline views.
                 self.note(
-                    trainer.global_step,
+                    fit.global_step,
                     f"no coordinates on the plane of this run's and the partner's initial "
                     f"gradients, which span none ({error}){self._at_end_skipped()}; g0 and the "
                     "probe batch are stored, so dynamics plane --plane auto draws the plane of "
@@ -133,7 +136,7 @@ class GradientPlane(Probe):
                     f"GradientPlane basis has {self.plane.size} entries, the model's trainable "
                     f"parameters {self.layout.size}"
                 )
-            theta0 = self._theta0.to(pl_module.device)  # a checkpoint's is on the CPU
+            theta0 = self._theta0.to(module_device(pl_module))  # a checkpoint's is on the CPU
             self._local = _LocalPlane.of(self.plane, self._shards, theta0)
         if self._shards.sharded and world.rank() != 0:  # full vectors only where written
             self._g0 = self._theta0 = self.plane = None
@@ -206,7 +209,7 @@ class GradientPlane(Probe):
     def is_due(self, step: int) -> bool:
         return self._planar and super().is_due(step)
 
-    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+    def on_step_start(self, fit, pl_module, batch, step) -> None:
         # Every rank: under sharding the coordinates and the kept θ_step are collectives.
         self._row = self._coordinates(pl_module)
         if self.at_end and (step // self.every_n_steps) % self._stride == 0:
@@ -214,22 +217,22 @@ class GradientPlane(Probe):
             if len(self._kept) > self.checkpoints:
                 self._kept, self._stride = self._kept[::2], 2 * self._stride
 
-    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+    def on_step_end(self, fit, pl_module, batch, outputs, step) -> Rows:
         row, self._row = self._row, None
         return {names.PLANE: row} if row is not None else {}
 
-    def final_vectors(self, trainer, pl_module) -> dict[str, np.ndarray]:
+    def final_vectors(self, fit, pl_module) -> dict[str, np.ndarray]:
         """The end-of-fit plane views (``at_end``), evaluated on global rank zero on a module
         with whole parameters (every rank takes part in gathering them)."""
         if not (self.at_end and self._planar):
             return {}
         theta_final = self._whole_theta(pl_module)
         with self._loss.whole(pl_module) as module:
-            if not trainer.is_global_zero:
+            if not fit.is_global_zero:
                 return {}
             # A whole-parameter copy (under sharding) is the surface's own: no second copy.
             copied = module is not pl_module
-            return self._end_views(module, copied, theta_final, trainer.global_step)
+            return self._end_views(module, copied, theta_final, fit.global_step)
 
     def teardown(self) -> None:
         self._kept = []
@@ -283,7 +286,12 @@ class GradientPlane(Probe):
         thetas = (stacked if stacked.dtype == torch.float64 else stacked.float()).numpy()
         with side_effect_free(module, self.mode):
             surface = LossSurface(
-                module, self.layout, self._loss.batch, mode=self.mode, in_place=copied
+                module,
+                self.layout,
+                self._loss.batch,
+                self._loss.rule,
+                mode=self.mode,
+                in_place=copied,
             )
             first = trajectory(names.PLANE, self.plane, steps, thetas, surface)
             second_plane, _ = out_of_plane_view(self.plane, thetas[-1])

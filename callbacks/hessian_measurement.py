@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from dynamics.callbacks.fit import Fit
 from dynamics.curvature import Eigenpairs, HessianOperator
 
 if TYPE_CHECKING:
@@ -72,9 +73,7 @@ class HessianMeasurement:
         (``size`` is 0 before setup)."""
         raise NotImplementedError
 
-    def setup(
-        self, probe: SpectrumProbe, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> None:
+    def setup(self, probe: SpectrumProbe, fit: Fit, pl_module: pl.LightningModule) -> None:
         """Called from the probe's setup, once its parameters are known (``probe.size``)."""
 
     def measure(self, row: SpectrumRow) -> dict[str, dict[str, Any]]:

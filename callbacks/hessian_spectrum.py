@@ -12,6 +12,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics import world
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.hessian_density import HessianDensity
 from dynamics.callbacks.hessian_eigenspace_overlap import EigenspaceOverlap
 from dynamics.callbacks.hessian_gradient_share import GradientShare
@@ -138,8 +139,8 @@ class HessianSpectrum(Probe):
     def mode(self) -> Mode:
         return self._loss.mode
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        self._loss.setup(trainer, pl_module, batch)
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._loss.setup(fit, pl_module, batch)
         # The unsharded size: under FSDP the rank's own parameters are pieces of θ.
         layout = self._loss.shards.layout
         if not layout.names:
@@ -148,7 +149,7 @@ class HessianSpectrum(Probe):
         self.dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
         self.size = layout.size
         for measurement in self.measurements:
-            measurement.setup(self, trainer, pl_module)
+            measurement.setup(self, fit, pl_module)
 
     @property
     def vector_period(self) -> int:
@@ -192,9 +193,7 @@ class HessianSpectrum(Probe):
         solver = {"solver": self.solver, "tol": self.tol, "cold_every": self.cold_every}
         return {**self._loss.settings(), **solver}
 
-    def on_step_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
-    ) -> None:
+    def on_step_start(self, fit: Fit, pl_module: pl.LightningModule, batch: Any, step: int) -> None:
         # Measured here, before the step's forward, so the row describes θ_step (the contract).
         self._rows = {}
         row = self.measure(pl_module, step)  # the measurements' own groups land in self._rows
@@ -202,7 +201,7 @@ class HessianSpectrum(Probe):
 
     def on_step_end(
         self,
-        trainer: pl.Trainer,
+        fit: Fit,
         pl_module: pl.LightningModule,
         batch: Any,
         outputs: Any,
@@ -257,7 +256,7 @@ class HessianSpectrum(Probe):
             torch.autocast(params[varied[0]].device.type, enabled=False),
             uncompiled(),  # a compiled graph supports no double backward
         ):
-            loss_fn = lambda: loss_at(module, tensors, batch)  # noqa: E731
+            loss_fn = lambda: loss_at(module, tensors, batch, self._loss.rule)  # noqa: E731
             operator = HessianOperator(
                 loss_fn, list(leaves.values()), average_across_ranks=averaged
             )

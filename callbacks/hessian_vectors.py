@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.hessian_measurement import HessianMeasurement, SpectrumProbe, SpectrumRow
 from dynamics.callbacks.probe import SeriesSpec, expected_steps
 from dynamics.store import names
@@ -29,12 +30,10 @@ class EigenvectorSnapshots(HessianMeasurement):
         self.budget_mb = budget_mb
         self.period = 0  # steps between stored eigenvectors; 0: none
 
-    def setup(
-        self, probe: SpectrumProbe, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> None:
-        self.period, reason = self._plan(probe, expected_steps(trainer, pl_module))
+    def setup(self, probe: SpectrumProbe, fit: Fit, pl_module: pl.LightningModule) -> None:
+        self.period, reason = self._plan(probe, expected_steps(fit))
         if reason:
-            probe.note(getattr(trainer, "global_step", 0), f"{reason}: no eigenvectors stored")
+            probe.note(getattr(fit, "global_step", 0), f"{reason}: no eigenvectors stored")
 
     def _plan(self, probe: SpectrumProbe, steps: float) -> tuple[int, str]:
         """Steps between stored eigenvectors (0: none) and, when none fit, why."""

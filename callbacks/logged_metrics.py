@@ -18,7 +18,7 @@ _HAS_LOADER = re.compile(r"/dataloader_idx_\d+$")
 
 
 class LoggedMetrics(Probe):
-    """Copies ``trainer.callback_metrics[key]`` for each key after every validation run.
+    """Copies ``fit.metrics[key]`` for each key after every validation run.
 
     Rows are recorded at the optimizer step the validation ran after; a key not logged in a run
     reads NaN, with a warning event the first time. The sanity check is never recorded. A key
@@ -53,8 +53,8 @@ class LoggedMetrics(Probe):
         self.recorded_keys = tuple(dict.fromkeys(self.keys))  # resolved at setup
         self._missing: set[str] = set()  # keys already noted as not logged
 
-    def setup(self, trainer, pl_module, batch) -> None:
-        loaders = len(trainer.num_val_batches) if self.per_loader else 1
+    def setup(self, fit, pl_module, batch) -> None:
+        loaders = fit.validation_loaders if self.per_loader else 1
         expanded = [k for key in self.keys for k in _keys(key, loaders)]
         self.recorded_keys = tuple(dict.fromkeys(expanded))  # once each, in the order given
 
@@ -71,11 +71,11 @@ class LoggedMetrics(Probe):
     def is_due(self, step: int) -> bool:
         return False  # validation runs have their own schedule
 
-    def on_validation_end(self, trainer, pl_module) -> Rows:
-        metrics = trainer.callback_metrics
+    def on_validation_end(self, fit, pl_module) -> Rows:
+        metrics = fit.metrics
         for key in [k for k in self.recorded_keys if k not in metrics and k not in self._missing]:
             self._missing.add(key)
-            self.note(trainer.global_step, _not_logged(key, metrics))
+            self.note(fit.global_step, _not_logged(key, metrics))
         nan = torch.tensor(float("nan"))
         return {
             names.VALIDATION: {

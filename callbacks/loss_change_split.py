@@ -10,10 +10,12 @@ import pytorch_lightning as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec
 from dynamics.callbacks.probe_loss import ProbeLoss, frozen_parameters, uncompiled, upcast
 from dynamics.params.groups import Grouping, ParameterGroups, group_parameters
 from dynamics.params.naming import unwrapped_name
+from dynamics.params.vectors import module_device
 from dynamics.passes.isolation import Mode, side_effect_free
 from dynamics.passes.loss_change import LossChange, split_loss_change
 from dynamics.passes.loss_rule import loss_at
@@ -99,8 +101,8 @@ class LossChangeSplit(Probe):
     def mode(self) -> Mode:
         return self._loss.mode
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        self._loss.setup(trainer, pl_module, batch)
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._loss.setup(fit, pl_module, batch)
         with self._loss.whole(pl_module) as module:  # groups by the layers, not by the shards
             self.grouping = group_parameters(module, self.groups)
         if not self._loss.shards.sharded:
@@ -147,15 +149,15 @@ class LossChangeSplit(Probe):
             "buffers": "as before the step",
         }
 
-    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+    def on_step_start(self, fit, pl_module, batch, step) -> None:
         # Rank zero measures and writes (the ranks' θ agree); under sharding every rank keeps
         # its pieces of θ, which rank zero gathers at the step's end, and the buffers (whole on
         # every rank) go by the names the whole-parameter copy has.
         sharded = self._loss.shards.sharded
-        if not (sharded or trainer.is_global_zero):
+        if not (sharded or fit.is_global_zero):
             return
         buffers = {}
-        if trainer.is_global_zero:
+        if fit.is_global_zero:
             buffers = {
                 unwrapped_name(n) if sharded else n: b.detach().clone()
                 for n, b in pl_module.named_buffers()
@@ -165,7 +167,7 @@ class LossChangeSplit(Probe):
         else:
             self._before = ([p.detach().clone() for p in self._params], buffers)
 
-    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+    def on_step_end(self, fit, pl_module, batch, outputs, step) -> Rows:
         if self._before is None:
             return {}
         (start, buffers), self._before = self._before, None
@@ -175,7 +177,7 @@ class LossChangeSplit(Probe):
                 return {}
         else:
             split = self.measure(pl_module, start, [p.detach() for p in self._params], buffers)
-        spanned = trainer.global_step - step
+        spanned = fit.global_step - step
         if spanned > 1:
             self.note(
                 step,
@@ -224,13 +226,14 @@ class LossChangeSplit(Probe):
         fixed = {n: upcast(b, dtype) for n, b in buffers.items()}
         fixed |= frozen_parameters(pl_module, dtype, names_)
         batch = apply_to_collection(self._loss.batch, torch.Tensor, upcast, dtype)
-        device = pl_module.device
+        device = module_device(pl_module)
+        rule = self._loss.rule
         rng_devices = [device.index or 0] if device.type == "cuda" else []
 
         def loss(tensors: list[torch.Tensor]) -> torch.Tensor:
             # Each evaluation from the same RNG state: one dropout mask along the segment.
             with torch.random.fork_rng(devices=rng_devices):
-                return loss_at(pl_module, {**fixed, **dict(zip(names_, tensors))}, batch)
+                return loss_at(pl_module, {**fixed, **dict(zip(names_, tensors))}, batch, rule)
 
         with (
             side_effect_free(pl_module, self.mode),

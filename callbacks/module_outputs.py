@@ -15,6 +15,7 @@ from torch import nn
 
 from dynamics import world
 from dynamics.bias.activations import ShiftedActivation, expected_shift
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.output_axes import (
     ASSUMED,
     TWO_D_ONLY,
@@ -55,8 +56,9 @@ from dynamics.callbacks.unit_kinds import (
 from dynamics.callbacks.unit_kinds import VIEWS as UNIT_VIEWS
 from dynamics.params.globs import glob_any, glob_match, matched
 from dynamics.params.naming import module_class, named_submodules
+from dynamics.params.vectors import module_device
 from dynamics.passes.isolation import in_extra_pass, side_effect_free
-from dynamics.passes.loss_rule import module_loss
+from dynamics.passes.loss_rule import LIGHTNING_RULE, LossRule
 from dynamics.sharding import unsharded_copy
 from dynamics.store import names
 from dynamics.store.views import standard_view
@@ -135,9 +137,9 @@ class ModuleOutputs(Probe):
         self._warned: set[str | tuple[str, str]] = set()  # layers (and units) warned about
         self._step = 0  # the due step whose forward the hooks see
         self._armed = False
-        self._trainer: pl.Trainer | None = None  # the armed step's, to tell validation apart
+        self._fit: Fit | None = None  # the armed step's, to tell validation apart
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
         """Choose the modules, resolve their feature axes, count their calls and hook them.
 
         Raises:
@@ -210,12 +212,12 @@ class ModuleOutputs(Probe):
         self._unit_axes = {n: self._bias_axes[n] for n in self.unit_kinds}
         self.layers, self.activation_layers = layers, activation_layers
         hooked = tuple(dict.fromkeys(layers + activation_layers))
-        self.calls, self._counted_by = _count_calls(trainer, pl_module, batch, hooked)
+        self.calls, self._counted_by = _count_calls(fit, pl_module, batch, hooked)
         self._columns = {n: _call_columns(n, self.calls.get(n, 1)) for n in hooked}
         self._calls_now = dict.fromkeys(hooked, 0)
         self._mask_rule = describe_mask(self.mask, batch)
         self._refused = {}
-        self._device = _device(pl_module)
+        self._device = module_device(pl_module)
         health = self._health_columns() if self.unit_health else {}
         series_columns = {
             NORM: self._columns_of(self.layers) if self.norms else (),
@@ -312,25 +314,25 @@ class ModuleOutputs(Probe):
             },
         }
 
-    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+    def on_step_start(self, fit, pl_module, batch, step) -> None:
         self._steps.clear()
         for extremes in self._extremes.values():
             extremes.clear()
         self._calls_now = dict.fromkeys(self._calls_now, 0)
         self._problems = {}
         self._step = step
-        self._trainer = trainer
+        self._fit = fit
         # The hooks see the first micro-batch's mask; a later micro-batch's is known only after
         # its forward (norms and biases wait for it; unit extremes cannot).
         self._hook_mask = self._batch_mask(batch)
         self._mask_known = True
         self._armed = True
 
-    def on_micro_batch_end(self, trainer, pl_module, batch, outputs, step) -> None:
+    def on_micro_batch_end(self, fit, pl_module, batch, outputs, step) -> None:
         if self._armed:
             self._close_micro_batch(batch)
 
-    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+    def on_step_end(self, fit, pl_module, batch, outputs, step) -> Rows:
         """The step's rows.
 
         Raises:
@@ -548,8 +550,7 @@ class ModuleOutputs(Probe):
             )
 
     def _validating(self) -> bool:
-        stages = (getattr(self._trainer, s, False) for s in ("validating", "sanity_checking"))
-        return any(stages)
+        return getattr(self._fit, "evaluating", False)
 
     def teardown(self) -> None:
         for handle in self._handles:
@@ -650,7 +651,7 @@ class ModuleOutputs(Probe):
 
 
 def _count_calls(
-    trainer: pl.Trainer, pl_module: nn.Module, batch: Any, hooked: Sequence[str]
+    fit: Fit, pl_module: nn.Module, batch: Any, hooked: Sequence[str]
 ) -> tuple[dict[str, int], str]:
     """How often one forward calls each ``hooked`` module (a shared ReLU, one dropout used
     twice), from one loss pass on the first batch, and how it was counted.
@@ -662,15 +663,16 @@ def _count_calls(
     """
     if batch is None:
         return {}, "not counted (no batch at setup): one column per module"
-    shards = parameter_shards(trainer, pl_module)
-    frozen = parameter_shards(trainer, pl_module, "frozen")
+    shards = parameter_shards(fit, pl_module)
+    frozen = parameter_shards(fit, pl_module, "frozen")
+    rule = getattr(fit, "loss_rule", LIGHTNING_RULE)  # a stand-in outside a fit has none
     with unsharded_copy(pl_module, shards, frozen) as whole:
         copied = dict(named_submodules(whole))
-        return _counted(whole, batch, {n: copied[n] for n in hooked})
+        return _counted(whole, batch, {n: copied[n] for n in hooked}, rule)
 
 
 def _counted(
-    pl_module: nn.Module, batch: Any, modules: Mapping[str, nn.Module]
+    pl_module: nn.Module, batch: Any, modules: Mapping[str, nn.Module], rule: LossRule
 ) -> tuple[dict[str, int], str]:
     """:func:`_count_calls` on a module whose parameters are whole."""
     counts = dict.fromkeys(modules, 0)
@@ -685,7 +687,7 @@ def _counted(
     handles = [torch.nn.modules.module.register_module_forward_hook(counter)]
     try:
         with side_effect_free(pl_module, "train"), torch.no_grad():
-            module_loss(pl_module, batch)
+            rule(pl_module, batch)
     except Exception as error:  # any user code: the count is missing, the probe goes on
         return {}, (
             f"not counted ({type(error).__name__}: {error}); one column per module, and a module "
@@ -700,11 +702,6 @@ def _counted(
 def _call_columns(name: str, calls: int) -> tuple[str, ...]:
     """One column per call of a module in a forward: its name, or ``name#0``, ``name#1``, ..."""
     return (name,) if calls <= 1 else tuple(f"{name}#{i}" for i in range(calls))
-
-
-def _device(module: Any) -> torch.device:
-    parameter = next(module.parameters(), None) if isinstance(module, nn.Module) else None
-    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 def _strings(values: Sequence[str] | None, argument: str) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import (
     Probe,
     Rows,
@@ -95,8 +96,8 @@ class ParameterDisplacement(Probe):
         self._copied = False  # whether _before holds this step's θ_step
         self._buffers_before: dict[str, torch.Tensor] = {}  # its buffers, on snapshot steps
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        shards = self._shards = parameter_shards(trainer, pl_module)
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
+        shards = self._shards = parameter_shards(fit, pl_module)
         self.layout = shards.layout
         self.buffer_layout = BufferLayout.of(pl_module)
         # Detached views of the parameters (of this rank's pieces under sharding, taken anew
@@ -114,7 +115,7 @@ class ParameterDisplacement(Probe):
         elif self._groups is None:  # the whole θ0, restored from a checkpoint
             local = shards.part(self._theta0)
             if shards.sharded:
-                self._whole_theta0 = self._theta0.cpu() if trainer.is_global_zero else None
+                self._whole_theta0 = self._theta0.cpu() if fit.is_global_zero else None
         else:  # a previous fit's, this rank's part
             local = self._groups.in_layout_order(self._theta0)
         # The grouped order of this rank's entries of each tensor (every entry unsharded).
@@ -125,13 +126,13 @@ class ParameterDisplacement(Probe):
         self._theta0 = self._groups.grouped(local.to(self._pieces(pl_module)[0].device))
         self._before = torch.empty_like(self._theta0)
         self._before_views = self._groups.views(self._before)
-        steps = expected_steps(trainer, pl_module)
+        steps = expected_steps(fit)
         # Lightning answers -1 (max_steps' default) for an iterable dataset of unknown length.
         self._expected_steps = steps if 0 < steps < math.inf else math.inf
         # Planned on the whole θ's size, as unsharded: the same snapshots are kept.
         self.snapshot_period, reason = self._snapshot_plan()
         if reason:
-            self.note(trainer.global_step, f"{reason}: storing θ0 and θT only")
+            self.note(fit.global_step, f"{reason}: storing θ0 and θT only")
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         if self.layout is None:
@@ -198,19 +199,19 @@ class ParameterDisplacement(Probe):
     def is_due(self, step: int) -> bool:
         return super().is_due(step) or self._snapshot_due(step)
 
-    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+    def on_step_start(self, fit, pl_module, batch, step) -> None:
         # Unsharded only rank 0 works (it writes, and the ranks' parameters agree); sharded,
         # every rank holds a part and takes part in the step's collectives.
-        if not (trainer.is_global_zero or self._shards.sharded):
+        if not (fit.is_global_zero or self._shards.sharded):
             return
         # One foreach copy into the preallocated buffer's views: no concatenation, no
         # allocation per step.
         torch._foreach_copy_(self._before_views, self._pieces(pl_module))
         self._copied = True
-        if self._snapshot_due(step) and trainer.is_global_zero:
+        if self._snapshot_due(step) and fit.is_global_zero:
             self._buffers_before = self.buffer_layout.vectors(pl_module)
 
-    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+    def on_step_end(self, fit, pl_module, batch, outputs, step) -> Rows:
         if not self._copied:
             return {}
         self._copied = False
@@ -243,7 +244,7 @@ class ParameterDisplacement(Probe):
             }
         return rows
 
-    def final_vectors(self, trainer, pl_module) -> dict[str, np.ndarray]:
+    def final_vectors(self, fit, pl_module) -> dict[str, np.ndarray]:
         if self._shards.sharded:
             theta = self._shards.gather(self._shards.local(pl_module))
             if theta is None:
@@ -252,7 +253,7 @@ class ParameterDisplacement(Probe):
             theta = flatten(self._params)
         return {
             names.THETA_FINAL: theta.cpu().numpy(),
-            names.THETA_FINAL_STEP: np.array([trainer.global_step], dtype=np.float64),
+            names.THETA_FINAL_STEP: np.array([fit.global_step], dtype=np.float64),
             **self._buffer_arrays(names.THETA_FINAL_BUFFERS, self.buffer_layout.vectors(pl_module)),
         }
 

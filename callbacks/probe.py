@@ -16,8 +16,10 @@ the RNG, buffers, train/eval flags and parameters as they found them (extra pass
 retried) with an event in the run file, and training goes on. :meth:`Probe.note` records a
 warning and goes on. :func:`dynamics.callbacks.check_probe` tests a probe against all of this.
 
-Probes do not depend on the Lightning namespace (``pytorch_lightning`` or
-``lightning.pytorch``): they receive whichever Trainer and module the fit uses.
+Probes depend on no training loop: each hook receives the fit
+(:class:`~dynamics.callbacks.fit.Fit`: the step, the rank, the optimizers, the logged metrics, the
+loss rule) and the module being trained, whichever loop runs it: Lightning (either namespace),
+the Hugging Face Trainer, accelerate or a plain loop.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
 
 from dynamics.sharding import ParameterShards
 from dynamics.sharding.shards import Selection, UnsupportedSharding
@@ -36,6 +39,8 @@ from dynamics.store import SeriesSpec
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+    from dynamics.callbacks.fit import Fit
 
 #: Rows a probe returns at a step: ``{group: {series: value}}``. Each group has its own step
 #: index in the run file, so a probe may fill some of its groups at a step and not others.
@@ -50,8 +55,8 @@ class ProbeUnavailable(ValueError):
 
     Example::
 
-        def setup(self, trainer, pl_module, batch):
-            if not hasattr(pl_module, "head"):
+        def setup(self, fit, module, batch):
+            if not hasattr(module, "head"):
                 raise ProbeUnavailable("HeadNorms: the module has no head")
     """
 
@@ -67,8 +72,8 @@ class Probe:
             def series(self):
                 return {"weight_norm": {"norm": SeriesSpec(view=View("scalar", "‖θ‖", "norm"))}}
 
-            def on_step_end(self, trainer, pl_module, batch, outputs, step):
-                norm = torch.linalg.vector_norm(flatten(pl_module.parameters())).detach()
+            def on_step_end(self, fit, module, batch, outputs, step):
+                norm = torch.linalg.vector_norm(flatten(module.parameters())).detach()
                 return {"weight_norm": {"norm": norm}}
 
     Args:
@@ -87,11 +92,11 @@ class Probe:
         self.every_n_steps = every_n_steps
         self._notes: list[tuple[int, str]] = []
 
-    def validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def validate(self, fit: Fit, module: nn.Module) -> None:
         """Called at fit start, before the sanity check: raise :class:`ProbeUnavailable` now
         for what can be known before the first batch (strategy, module, configuration)."""
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def setup(self, fit: Fit, module: nn.Module, batch: Any) -> None:
         """Called at the first training batch of a fit, before its forward and before
         :meth:`series`: register hooks, read θ0, keep a probe batch (``batch`` is that first
         training batch, already on the module's device)."""
@@ -116,27 +121,25 @@ class Probe:
     def is_due(self, step: int) -> bool:
         return step % self.every_n_steps == 0
 
-    def on_step_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
-    ) -> None:
+    def on_step_start(self, fit: Fit, module: nn.Module, batch: Any, step: int) -> None:
         """Before the forward of a due step: arm hooks, copy what must be compared later."""
 
     def on_micro_batch_end(
         self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
+        fit: Fit,
+        module: nn.Module,
         batch: Any,
         outputs: Any,
         step: int,
     ) -> None:
         """After each micro-batch of a due step (every one under gradient accumulation, the
-        last just before :meth:`on_step_end`): ``outputs`` is what Lightning passes to
-        ``on_train_batch_end`` for it."""
+        last just before :meth:`on_step_end`): ``outputs`` is what the loop's training step
+        returned for it (Lightning's ``on_train_batch_end`` outputs; the loss elsewhere)."""
 
     def on_step_end(
         self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
+        fit: Fit,
+        module: nn.Module,
         batch: Any,
         outputs: Any,
         step: int,
@@ -149,13 +152,11 @@ class Probe:
         """
         return {}
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Rows:
+    def on_validation_end(self, fit: Fit, module: nn.Module) -> Rows:
         """After a validation run (not the sanity check): rows recorded at the current step."""
         return {}
 
-    def final_vectors(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> dict[str, np.ndarray]:
+    def final_vectors(self, fit: Fit, module: nn.Module) -> dict[str, np.ndarray]:
         """Values of declared vectors known at fit end (e.g. θ_T)."""
         return {}
 
@@ -165,7 +166,7 @@ class Probe:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed fit needs to continue the same series: tensors and plain values only
         (dicts, lists, numbers, strings), since Lightning loads checkpoints with
-        ``weights_only``."""
+        ``weights_only``. The loop's adapter keeps it in the loop's checkpoints."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -185,20 +186,10 @@ class Probe:
         return notes
 
 
-def expected_steps(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
-    """The Trainer's estimate of the fit's length in ``global_step`` units (the steps rows are
-    due at); not positive and finite when unknown.
-
-    Lightning's ``estimated_stepping_batches`` counts batches, but under manual optimization
-    ``global_step`` advances at every optimizer's step: a GAN's two optimizers take two a batch,
-    and a budget planned on batches would hold twice what it was given. There the estimate
-    assumes each optimizer steps once a batch (within ``max_steps``).
-    """
-    steps = getattr(trainer, "estimated_stepping_batches", -1)
-    if pl_module.automatic_optimization or not 0 < steps < math.inf:
-        return steps
-    steps *= max(1, len(trainer.optimizers))
-    return min(steps, trainer.max_steps) if trainer.max_steps > 0 else steps
+def expected_steps(fit: Fit) -> float:
+    """The loop's estimate of the fit's length in ``global_step`` units (the steps rows are
+    due at); not positive and finite when unknown (and for a probe tried outside a fit)."""
+    return getattr(fit, "expected_steps", math.nan)
 
 
 def detached_copy(batch: Any) -> Any:
@@ -207,19 +198,18 @@ def detached_copy(batch: Any) -> Any:
 
 
 def parameter_shards(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, select: Selection = "trainable"
+    fit: Fit, module: torch.nn.Module, select: Selection = "trainable"
 ) -> ParameterShards:
-    """Which entries of ``pl_module``'s parameters this rank holds under the fit's strategy
+    """Which entries of ``module``'s parameters this rank holds under the fit's sharding
     (every entry without sharding); every rank must call it together, at setup.
 
     Example::
 
-        self._shards = parameter_shards(trainer, pl_module)
-        theta_part = self._shards.local(pl_module)
+        self._shards = parameter_shards(fit, module)
+        theta_part = self._shards.local(module)
     """
-    # A probe tried outside a fit (no trainer, or one without a strategy) holds every entry.
-    wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
-    return ParameterShards.of(pl_module, select, wrapper=wrapper)
+    # A probe tried outside a fit (no fit context, or a stand-in without one) holds every entry.
+    return ParameterShards.of(module, select, wrapper=getattr(fit, "wrapper", None))
 
 
 def refuse_deepspeed(trainer: pl.Trainer) -> None:

@@ -12,20 +12,22 @@ import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device
 
 from dynamics import world
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import ProbeUnavailable, detached_copy, parameter_shards
 from dynamics.params.batch_tree import flatten_batch, unflatten_batch
+from dynamics.params.vectors import module_device
 from dynamics.passes.isolation import Mode, checked_mode
-from dynamics.passes.loss_rule import LossSource, LossUnavailable, loss_source
+from dynamics.passes.loss_rule import LIGHTNING_RULE, LossRule, LossUnavailable
 from dynamics.sharding import ParameterShards, unsharded_copy
 
 
 class ProbeLoss:
-    """The module's loss by the loss rule, on a fixed probe batch, in a chosen mode.
+    """The module's loss by the fit's loss rule, on a fixed probe batch, in a chosen mode.
 
-    At setup it refuses, with :class:`~dynamics.callbacks.ProbeUnavailable`, a module the loss
-    rule (:mod:`dynamics.passes.loss_rule`) gives no loss for, such as a manually optimized module
-    without ``dynamics_loss``: decided before any extra pass, so no training step that steps an
-    optimizer is ever called.
+    At setup it refuses, with :class:`~dynamics.callbacks.ProbeUnavailable`, a module the fit's
+    loss rule (:mod:`dynamics.passes.loss_rule`) gives no loss for, such as a manually optimized
+    module without ``dynamics_loss``: decided before any extra pass, so no training step that
+    steps an optimizer is ever called.
 
     Args:
         probe: the owning probe's class name, for messages.
@@ -34,6 +36,8 @@ class ProbeLoss:
 
     Attributes:
         batch: the probe batch, on the module's device after setup.
+        rule: the fit's loss rule (:class:`~dynamics.passes.loss_rule.LossRule`), a callable
+            ``rule(module, batch)``; the Lightning rule before setup.
         source: where the loss rule takes the loss from; ``None`` before setup.
         shards: which entries of the trainable parameters this rank holds; ``None`` before
             setup.
@@ -43,7 +47,8 @@ class ProbeLoss:
         self.probe = probe
         self.mode = checked_mode(mode)
         self.batch = None if batch is None else detached_copy(batch)
-        self.source: LossSource | None = None
+        self.rule: LossRule = LIGHTNING_RULE
+        self.source: str | None = None
         self.shards: ParameterShards | None = None
         self._frozen: ParameterShards | None = None
         # A checkpoint's batch that could not be stored: the resumed fit cannot measure the same
@@ -52,15 +57,15 @@ class ProbeLoss:
         # How many ranks' batches the checkpoint kept (None: one, or an older checkpoint).
         self._saved_ranks: int | None = None
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
         """Check the loss rule, keep the probe batch, and learn how parameters are sharded
         (every rank at once).
 
         Raises:
             ProbeUnavailable: if the loss rule gives no loss for ``pl_module``.
         """
-        self.shards = parameter_shards(trainer, pl_module)
-        self._frozen = parameter_shards(trainer, pl_module, "frozen")
+        self.shards = parameter_shards(fit, pl_module)
+        self._frozen = parameter_shards(fit, pl_module, "frozen")
         if self._unrestorable is not None:
             raise ProbeUnavailable(
                 f"{self.probe}: the checkpoint could not keep its probe batch (a "
@@ -73,13 +78,16 @@ class ProbeLoss:
                 f"ranks and this fit has {world.world_size()}, so a resumed fit cannot measure "
                 f"the same loss; resume on {self._saved_ranks} ranks"
             )
+        # A probe tried outside a fit (a stand-in without a rule) takes the Lightning rule.
+        self.rule = getattr(fit, "loss_rule", LIGHTNING_RULE)
         try:
-            self.source = loss_source(pl_module)
+            self.rule.check(pl_module)
+            self.source = self.rule.source(pl_module)
         except LossUnavailable as error:
             raise ProbeUnavailable(f"{self.probe}: {error}") from None
         if self.batch is None:  # neither given nor restored from a checkpoint
             self.batch = detached_copy(batch)
-        self.batch = move_data_to_device(self.batch, pl_module.device)
+        self.batch = move_data_to_device(self.batch, module_device(pl_module))
 
     @contextlib.contextmanager
     def whole(self, pl_module: pl.LightningModule) -> Iterator[torch.nn.Module]:
@@ -90,7 +98,7 @@ class ProbeLoss:
         Example::
 
             with self._loss.whole(pl_module) as module:
-                loss = module_loss(module, self._loss.batch)
+                loss = self._loss.rule(module, self._loss.batch)
         """
         assert self.shards is not None, "ProbeLoss.whole before setup"
         with unsharded_copy(pl_module, self.shards, self._frozen) as module:

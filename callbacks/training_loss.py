@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from dynamics import world
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec
+from dynamics.params.vectors import module_device
 from dynamics.store import names
 from dynamics.store.views import standard_view
 from dynamics.world import Reduce, checked_reduce
@@ -52,26 +52,22 @@ class TrainingLoss(Probe):
             "reduction": f"mean of {ranks} unscaled micro-batch losses",
         }
 
-    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+    def on_step_start(self, fit, pl_module, batch, step) -> None:
         self._losses = []
 
-    def on_micro_batch_end(self, trainer, pl_module, batch, outputs, step) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if isinstance(loss, torch.Tensor):
-            if pl_module.automatic_optimization:
-                # Lightning divides what training_step returned by the accumulation count.
-                loss = loss * trainer.accumulate_grad_batches
-        else:
-            loss = self._logged_loss(trainer, step)
+    def on_micro_batch_end(self, fit, pl_module, batch, outputs, step) -> None:
+        loss = fit.micro_batch_loss(outputs)  # unscaled, in the loop's own terms
+        if loss is None:
+            loss = self._logged_loss(fit, step)
         if loss is not None:
             self._losses.append(loss.detach().float().reshape(()))
 
-    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+    def on_step_end(self, fit, pl_module, batch, outputs, step) -> Rows:
         if self._losses:
-            total = torch.stack(self._losses).sum()
-            count = torch.full_like(total, len(self._losses))
+            total, count = fit.loss_sum(self._losses)
+            count = torch.full_like(total, count)
         else:  # every rank joins the collective, with or without a loss of its own
-            total = count = torch.zeros((), device=_device(pl_module))
+            total = count = torch.zeros((), device=module_device(pl_module))
         if self.reduce == "global":
             total, count = world.all_reduce([total, count])
         if self._losses or world.is_distributed():
@@ -86,8 +82,8 @@ class TrainingLoss(Probe):
         self._losses = []
         return {names.LOSS: {names.LOSS_TRAIN: loss}}
 
-    def _logged_loss(self, trainer, step: int) -> torch.Tensor | None:
-        metrics = trainer.callback_metrics
+    def _logged_loss(self, fit, step: int) -> torch.Tensor | None:
+        metrics = fit.metrics
         # With on_step and on_epoch logging, the bare key may hold the last epoch's mean.
         for key in (f"{self.loss_key}_step", self.loss_key):
             if isinstance(metrics.get(key), torch.Tensor):
@@ -102,8 +98,3 @@ class TrainingLoss(Probe):
         if message not in self._noted:
             self._noted.add(message)
             self.note(step, message)
-
-
-def _device(module: Any) -> torch.device:
-    parameter = next(module.parameters(), None) if hasattr(module, "parameters") else None
-    return parameter.device if parameter is not None else torch.device("cpu")

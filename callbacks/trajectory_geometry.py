@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import Probe, Rows, SeriesSpec, parameter_shards
 from dynamics.params.naming import named_parameters
 from dynamics.sharding import ParameterShards
@@ -101,19 +102,19 @@ class TrajectoryGeometry(Probe):
         self._armed = False
         self._noted: set[str] = set()
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        shards = self._shards = parameter_shards(trainer, pl_module)
+    def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
+        shards = self._shards = parameter_shards(fit, pl_module)
         self._tensor_names = list(shards.layout.names)
         found = dict(named_parameters(pl_module))
         params = [found[n] for n in self._tensor_names]
-        held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+        held = {id(p) for opt in fit.optimizers for g in opt.param_groups for p in g["params"]}
         self._in_optimizer = [id(p) in held for p in params]
         self._params_held = params
         self._params = [] if shards.sharded else [p.detach() for p in params]
-        self.gradient_problem = _gradient_problem(trainer, pl_module)
+        self.gradient_problem = _gradient_problem(fit, pl_module)
         if self.gradient_problem:
             self._note_once(
-                trainer.global_step, f"gradient_cosine not recorded: {self.gradient_problem}"
+                fit.global_step, f"gradient_cosine not recorded: {self.gradient_problem}"
             )
         pieces = self._pieces(pl_module)
         device = pieces[0].device
@@ -136,7 +137,7 @@ class TrajectoryGeometry(Probe):
                     "path lengths so far are unknown"
                 )
                 self._note_once(
-                    trainer.global_step, f"per-tensor series not recorded: {self.tensor_problem}"
+                    fit.global_step, f"per-tensor series not recorded: {self.tensor_problem}"
                 )
         if not self.per_tensor:  # a checkpoint of a fit with per_tensor: not continued
             self._tensor_path = None
@@ -175,14 +176,14 @@ class TrajectoryGeometry(Probe):
     def is_due(self, step: int) -> bool:
         return True  # every update counts in the path; rows are thinned in on_step_end
 
-    def on_step_start(self, trainer, pl_module, batch, step) -> None:
+    def on_step_start(self, fit, pl_module, batch, step) -> None:
         # Unsharded only rank 0 works (it writes, and the ranks' parameters agree); sharded,
         # every rank holds a part and takes part in the step's all-reduce.
-        if trainer.is_global_zero or self._shards.sharded:
+        if fit.is_global_zero or self._shards.sharded:
             torch._foreach_copy_(self._before, self._pieces(pl_module))
             self._armed = True
 
-    def on_step_end(self, trainer, pl_module, batch, outputs, step) -> Rows:
+    def on_step_end(self, fit, pl_module, batch, outputs, step) -> Rows:
         if not self._armed:
             return {}
         self._armed = False
@@ -347,7 +348,7 @@ class TrajectoryGeometry(Probe):
             self.note(step, message)
 
 
-def _gradient_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+def _gradient_problem(fit: Fit, pl_module: pl.LightningModule) -> str | None:
     """Why the gradient an update was made from cannot be known, or None."""
     if not pl_module.automatic_optimization:
         return (
@@ -355,7 +356,7 @@ def _gradient_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str
             "itself, possibly for several optimizers, so .grad after the batch need not be the "
             "gradient any step used"
         )
-    if any(isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers):
+    if any(isinstance(opt, torch.optim.LBFGS) for opt in fit.optimizers):
         return (
             "LBFGS evaluates the gradient several times per step; .grad holds the last "
             "evaluation's, not the one its update was made from"

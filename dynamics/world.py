@@ -156,6 +156,21 @@ def gather_objects_to_zero(value: Any) -> list[Any] | None:
     return parts
 
 
+def broadcast_from_zero(value: Any) -> Any:
+    """Rank zero's picklable ``value`` on every rank: a decision every rank must share (stop
+    or go on), so that none waits in a collective the others left.
+
+    Example::
+
+        problem = broadcast_from_zero(check() if rank() == 0 else None)
+    """
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=collective_device())
+    return box[0]
+
+
 #: Whose batch a probe's statistics are of: every rank's (the global batch: sums and counts
 #: reduced across ranks, one collective per due step) or rank zero's alone (no collective).
 Reduce = Literal["global", "rank0"]

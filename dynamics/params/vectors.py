@@ -14,6 +14,18 @@ from dynamics.params.layout import BufferLayout, ParameterLayout
 from dynamics.params.naming import named_parameters
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """Where ``module``'s first parameter lives (the CPU for a module with none): the device
+    a probe batch and a probe's own tensors go to, for any ``nn.Module``.
+
+    Example::
+
+        batch = move_data_to_device(batch, module_device(model))
+    """
+    parameter = next(module.parameters(), None) if isinstance(module, nn.Module) else None
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Concatenate tensors into one detached flat vector (a copy), half precision as exact
     float32 (:func:`storable`): differences of half-precision vectors would be rounded to it.

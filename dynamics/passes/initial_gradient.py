@@ -10,15 +10,19 @@ from dynamics import world
 from dynamics.params.layout import ParameterLayout
 from dynamics.params.vectors import flatten
 from dynamics.passes.isolation import Mode, side_effect_free
-from dynamics.passes.loss_rule import module_loss
+from dynamics.passes.loss_rule import LIGHTNING_RULE, LossRule
 
 
 def initial_gradient(
-    module: torch.nn.Module, batch: Any, layout: ParameterLayout, mode: Mode = "eval"
+    module: torch.nn.Module,
+    batch: Any,
+    layout: ParameterLayout,
+    mode: Mode = "eval",
+    rule: LossRule = LIGHTNING_RULE,
 ) -> torch.Tensor:
     """∇L(θ) on ``batch`` as a flat vector, leaving the module, RNG and ``.grad`` as they were.
 
-    The loss is found by :func:`~dynamics.passes.loss_rule.module_loss`. Under an initialized
+    The loss is found by ``rule`` (:mod:`dynamics.passes.loss_rule`). Under an initialized
     process group every rank must call this; the result is the average of the ranks' gradients,
     as data-parallel training would apply. ``module`` holds its parameters whole: under FSDP
     pass the whole-parameter copy (:func:`dynamics.sharding.unsharded_copy`), whose gradient
@@ -34,6 +38,7 @@ def initial_gradient(
         layout: the parameters differentiated, and the order of the result.
         mode: the :data:`~dynamics.passes.isolation.Mode` the module runs in; by default
             ``"eval"``, the mode in which loss landscapes on the plane of such gradients are drawn.
+        rule: how the loss is taken on ``batch``; the Lightning rule by default.
 
     Raises:
         ~dynamics.passes.loss_rule.LossUnavailable: if the loss rule finds no loss for the module.
@@ -41,7 +46,7 @@ def initial_gradient(
     """
     params = layout.parameters(module)
     with side_effect_free(module, mode):
-        gradient = flatten(torch.autograd.grad(module_loss(module, batch), params))
+        gradient = flatten(torch.autograd.grad(rule(module, batch), params))
     world.average(gradient)
     if not gradient.isfinite().all():
         raise FloatingPointError("the initial gradient is not finite")

@@ -52,6 +52,7 @@ TEXT_ATTRS = frozenset(
         names.ATTR_THETA0_SHA256,
         names.ATTR_FROZEN_SHA256,
         names.ATTR_PRECISION,
+        names.ATTR_LOOP,
         names.ATTR_ENCODING,
     }
 )

@@ -23,7 +23,9 @@ ATTR_SUBMODULES = "submodules"  # {module name: [class path, extra_repr()]}
 ATTR_COMPILED = "compiled"  # names of the parts torch.compile compiled ("": the whole module)
 ATTR_OPTIMIZERS = "optimizers"  # [{"class_path", "param_groups": [{hyperparameter: value}]}]
 ATTR_SCHEDULERS = "schedulers"  # [{"class_path", "interval", "frequency", "state": {...}}]
-ATTR_PRECISION = "precision"  # the Trainer's, e.g. "32-true", "bf16-mixed"
+ATTR_PRECISION = "precision"  # the loop's, e.g. "32-true", "bf16-mixed"
+ATTR_LOOP = "loop"  # the training loop: "lightning", "huggingface", "accelerate", "plain"
+ATTR_LOSS_RULE = "loss_rule"  # {"rule": "lightning" | "output" | "function", "function": path}
 ATTR_DATA = "data"  # {"datamodule": {"class_path", "init_args"}, "train": [{"dataset", ...}]}
 # What callbacks did to the module before θ0 was recorded, in the callbacks' order: one record
 # per callback with a dynamics_edit() method, [{"class_path", "edit", "settings", "table"}].

@@ -164,6 +164,8 @@ ATTR_TYPES: dict[str, type] = {
     names.ATTR_OPTIMIZERS: list,
     names.ATTR_SCHEDULERS: list,
     names.ATTR_PRECISION: str,
+    names.ATTR_LOOP: str,
+    names.ATTR_LOSS_RULE: dict,
     names.ATTR_DATA: dict,
     names.ATTR_MODEL_EDITS: list,
 }
