@@ -1,13 +1,15 @@
-"""Lightning glue: the recorder callback and its probes.
+"""The recorder, its probes, and the Lightning callbacks.
 
 ``DynamicsRecorder`` here is a ``pytorch_lightning`` callback; ``lightning.pytorch`` users take
-``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either.
+``dynamics.callbacks.lightning.DynamicsRecorder``. Probes work under either, and under the other
+loops' adapters (:mod:`dynamics.integrations`): each hook receives a :class:`Fit`.
 """
 
 from dynamics.callbacks.activation_bias import ActivationBias
 from dynamics.callbacks.bias_audit import BiasAudit
 from dynamics.callbacks.bias_component import BiasComponent
 from dynamics.callbacks.check import check_probe
+from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.gradient_plane import GradientPlane
 from dynamics.callbacks.hessian_density import HessianDensity
 from dynamics.callbacks.hessian_eigenspace_overlap import EigenspaceOverlap
@@ -35,6 +37,7 @@ __all__ = [
     "DynamicsRecorder",
     "EigenspaceOverlap",
     "EigenvectorSnapshots",
+    "Fit",
     "GradientPlane",
     "GradientShare",
     "HessianDensity",

@@ -30,8 +30,8 @@ class WeightNorms(Probe):
         super().__init__(every_n_steps)
         self.tensors: tuple[str, ...] = ()  # parameter names, read at setup
 
-    def setup(self, trainer, pl_module, batch):
-        self.tensors = tuple(name for name, _ in pl_module.named_parameters())
+    def setup(self, fit, module, batch):
+        self.tensors = tuple(name for name, _ in module.named_parameters())
 
     def series(self):
         view = View("lines", "Weight norm per tensor", "‖W‖")  # how report draws it
@@ -39,9 +39,9 @@ class WeightNorms(Probe):
             self.name: {"norm": SeriesSpec((len(self.tensors),), columns=self.tensors, view=view)}
         }
 
-    def on_step_end(self, trainer, pl_module, batch, outputs, step):
+    def on_step_end(self, fit, module, batch, outputs, step):
         # Detached tensors, left on the device: the recorder copies whole blocks to the host.
-        norms = torch.stack([p.detach().norm() for p in pl_module.parameters()])
+        norms = torch.stack([p.detach().norm() for p in module.parameters()])
         return {self.name: {"norm": norms}}
 
 
