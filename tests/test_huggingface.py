@@ -1,7 +1,11 @@
 """The Hugging Face Trainer's callback: a tiny GPT-2 trained through ``transformers.Trainer``
 records the file a Lightning fit of the same model records, without changing the training."""
 
+import multiprocessing
+import os
+import socket
 import subprocess
+import traceback
 
 import numpy as np
 import pytest
@@ -242,3 +246,55 @@ def test_the_trainer_and_lightning_record_the_same_series(tmp_path, quiet_traine
                 np.testing.assert_array_equal(hf.series(group)[name], values, err_msg=group)
     for vector in ("theta0", "theta_final"):
         np.testing.assert_array_equal(hf.vector(vector), pl.vector(vector))
+
+
+def _ddp_rank(rank, port, folder, path):
+    """One rank of a two-process DDP fit through the Trainer (gloo, forked)."""
+    try:
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)  # the parent's single-process state, forked
+        callback = DynamicsCallback(
+            path, [TrainingLoss(), HiddenStateNorms(), ParameterDisplacement()]
+        )
+        train(folder, [callback], ddp_backend="gloo", ddp_find_unused_parameters=False)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def test_ddp_through_the_trainer_records_what_one_process_accumulating_both_batches_does(
+    tmp_path,
+):
+    """Two ranks of batch 4 (the Trainer's sampler gives rank r every other batch) take the
+    steps one process takes over the same 8 examples in two micro-batches: the same token
+    weighting (every rank's tokens counted, ``average_tokens_across_devices``)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    fork = multiprocessing.get_context("fork")
+    ddp = tmp_path / "ddp.h5"
+    ranks = [fork.Process(target=_ddp_rank, args=(r, port, tmp_path / "ddp", ddp)) for r in (0, 1)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(120)
+    assert [rank.exitcode for rank in ranks] == [0, 0]
+    one = tmp_path / "one.h5"
+    probes_ = [TrainingLoss(), HiddenStateNorms(), ParameterDisplacement()]
+    train(tmp_path / "one", [DynamicsCallback(one, probes_)], gradient_accumulation_steps=2)
+    a, b = open_run(ddp), open_run(one)
+    assert a.status().state == names.FINISHED
+    assert a.groups == b.groups
+    for group in b.groups:
+        assert list(a.series(group).step) == list(range(STEPS))
+        for name, values in b.series(group).values.items():
+            np.testing.assert_allclose(a.series(group)[name], values, rtol=1e-5, atol=1e-7)

@@ -269,7 +269,8 @@ class DynamicsCallback(Recording, TrainerCallback):
         if self._batch is None or self._loss is not None or not self._training_forward(module):
             return
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else None
+        # A copy: the Trainer scales the loss in place afterwards (by the world size).
+        self._loss = loss.detach().clone() if isinstance(loss, torch.Tensor) else None
 
     def _training_forward(self, module: nn.Module) -> bool:
         return self._fit is not None and self._in_step and not self._busy and module.training
