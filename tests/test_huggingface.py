@@ -208,9 +208,34 @@ def test_a_checkpoint_without_recorder_state_does_not_continue_an_existing_file(
 
 def test_label_smoothing_is_refused_in_one_warning_and_training_goes_on(tmp_path):
     path = tmp_path / "smoothed.h5"
-    with pytest.warns(UserWarning, match="without labels"):
+    with pytest.warns(UserWarning, match="under label smoothing"):
         train(tmp_path, [DynamicsCallback(path)], label_smoothing_factor=0.1)
     assert not path.exists()
+
+
+def causal_lm_loss(outputs, labels, num_items_in_batch=None):
+    logits = outputs.logits[:, :-1].flatten(0, 1)
+    return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def test_a_loss_computed_outside_the_model_stops_the_recording_in_one_warning(tmp_path):
+    path = tmp_path / "outside.h5"
+    model = tiny_gpt2.model()
+    trainer = tiny_gpt2.InOrderTrainer(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=tiny_gpt2.examples(),
+        data_collator=tiny_gpt2.collate,
+        callbacks=[DynamicsCallback(path)],
+        compute_loss_func=causal_lm_loss,
+    )
+    with pytest.warns(UserWarning, match="compute_loss_func") as caught:
+        trainer.train()
+    assert len([w for w in caught if "DynamicsCallback" in str(w.message)]) == 1
+    assert trainer.state.global_step == STEPS  # training went on
+    status = open_run(path).status()
+    assert status.state == names.CRASHED
+    assert "returned no loss" in status.exception
 
 
 def test_the_trainer_and_lightning_record_the_same_series(tmp_path, quiet_trainer):

@@ -11,6 +11,7 @@ a forward hook keeps the loss the model returned, and a step ends at ``on_optimi
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -111,8 +112,8 @@ class DynamicsCallback(Recording, TrainerCallback):
         path: the run file to write.
         probes: what to record (default: ``TrainingLoss``, ``HiddenStateNorms``,
             ``ParameterDisplacement``).
-        loss_fn: ``loss_fn(model, batch) -> loss`` for the probes' extra passes, where the
-            Trainer's loss is not the model's own (label smoothing, ``compute_loss_func``).
+        loss_fn: ``loss_fn(model, batch) -> loss`` for the probes' extra passes (``batch``:
+            what the Trainer passes the model), in place of ``model(**batch).loss``.
         **recording_options: ``overwrite``, ``config``, ``run_name``, ``flush_interval_s``,
             ``block_rows``, ``on_probe_error``, as for
             :class:`~dynamics.callbacks.recording.Recording`.
@@ -151,6 +152,15 @@ class DynamicsCallback(Recording, TrainerCallback):
         if self._fit is not None:  # the last train() raised: its on_train_end never came
             self.crashed("train() ended without on_train_end (an exception in the fit)")
         _refuse_unsupported(args)
+        if args.label_smoothing_factor > 0:
+            warnings.warn(
+                "DynamicsCallback records nothing of this fit: under label smoothing the Trainer "
+                "takes the labels out of the batch and computes a smoothed loss outside the model, "
+                "which neither the probes' passes nor TrainingLoss can take",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         fit = HuggingFaceFit(
             args, state, model, optimizer, lr_scheduler, train_dataloader, self.loss_rule
         )
@@ -255,13 +265,6 @@ class DynamicsCallback(Recording, TrainerCallback):
         batch = (
             {k: v for k, v in kwargs.items() if k != "num_items_in_batch"} if kwargs else args[0]
         )
-        if isinstance(self.loss_rule, OutputLoss) and "labels" not in batch:
-            self._step_aside(
-                "the Trainer's batches reach the model without labels (a compute_loss_func or "
-                "label smoothing computes the loss outside it), so model(**batch).loss is not "
-                "the loss trained on; pass DynamicsCallback(loss_fn=...) to record this fit"
-            )
-            return
         self._batch = batch
         self._call_core(self.batch_start, fit, batch)
 
@@ -269,8 +272,15 @@ class DynamicsCallback(Recording, TrainerCallback):
         if self._batch is None or self._loss is not None or not self._training_forward(module):
             return
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            self._step_aside(
+                "the model returned no loss on the Trainer's batch: a compute_loss_func computes "
+                "it outside the model, from labels the Trainer keeps from it, so neither the "
+                "probes' passes nor TrainingLoss can take the loss trained on"
+            )
+            return
         # A copy: the Trainer scales the loss in place afterwards (by the world size).
-        self._loss = loss.detach().clone() if isinstance(loss, torch.Tensor) else None
+        self._loss = loss.detach().clone()
 
     def _training_forward(self, module: nn.Module) -> bool:
         return self._fit is not None and self._in_step and not self._busy and module.training
@@ -300,7 +310,9 @@ class DynamicsCallback(Recording, TrainerCallback):
             self._busy = False
 
     def _step_aside(self, reason: str) -> None:
-        self._fit.warn(f"DynamicsCallback records nothing of this fit: {reason}")
+        self._fit.warn(
+            f"DynamicsCallback stops recording ({self.path} closes as crashed): {reason}"
+        )
         self._finish(names.CRASHED, reason)
 
     def _finish(self, state: str, message: str = "") -> None:
