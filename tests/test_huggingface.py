@@ -206,6 +206,19 @@ def test_a_checkpoint_without_recorder_state_does_not_continue_an_existing_file(
     assert open_run(path).status().state == names.FINISHED  # left as it was
 
 
+def test_a_checkpoint_outside_the_output_folder_is_refused_in_one_line(tmp_path):
+    saving = dict(save_strategy="steps", save_steps=3)
+    path = tmp_path / "run.h5"
+    train(tmp_path / "first", [DynamicsCallback(path, [TrainingLoss()])], **saving)
+    with pytest.raises(RunFileError, match="from a checkpoint outside"):
+        train(
+            tmp_path / "elsewhere",
+            [DynamicsCallback(path, [TrainingLoss()])],
+            resume=str(tmp_path / "first" / "checkpoint-3"),
+            **saving,
+        )
+
+
 def test_label_smoothing_is_refused_in_one_warning_and_training_goes_on(tmp_path):
     path = tmp_path / "smoothed.h5"
     with pytest.warns(UserWarning, match="under label smoothing"):

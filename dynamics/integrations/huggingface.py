@@ -28,7 +28,7 @@ from dynamics.callbacks.probe import Probe
 from dynamics.callbacks.recording import Recording
 from dynamics.passes.loss_rule import FunctionLoss, OutputLoss
 from dynamics.sharding import UnsupportedSharding
-from dynamics.store import names
+from dynamics.store import RunFileError, names
 
 __all__ = ["DynamicsCallback", "HuggingFaceFit"]
 
@@ -167,6 +167,13 @@ class DynamicsCallback(Recording, TrainerCallback):
         if state.global_step > 0:  # resumed from a checkpoint, which the Trainer does not name
             folder = _checkpoint_folder(args, state)
             saved = folder / STATE_FILE.format(self.path.name)
+            if not folder.is_dir() and self.path.exists() and not self.overwrite:
+                raise RunFileError(
+                    f"cannot resume {self.path}: the Trainer resumed at step {state.global_step} "
+                    f"from a checkpoint outside {args.output_dir}, where DynamicsCallback finds "
+                    f"its state ({folder.name}/{saved.name}); resume from the checkpoint folder in "
+                    "output_dir, or pass overwrite=True to start a new run file there"
+                )
             if saved.is_file():
                 self.load_state_dict(torch.load(saved, weights_only=True))
             fit.checkpoint = str(folder)
