@@ -178,11 +178,7 @@ class DynamicsCallback(Recording, TrainerCallback):
                 self.load_state_dict(torch.load(saved, weights_only=True))
             fit.checkpoint = str(folder)
         self._final = False
-        self._busy = True
-        try:
-            self.begin(fit)
-        finally:
-            self._busy = False
+        self._call_core(self.begin, fit)
         self._fit = fit
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
