@@ -19,6 +19,7 @@ OUTPUTS = {
     "compare_two_runs.py": {"lr_0.05.h5", "lr_0.2.h5", "compare.html"},
     "notebook_api.py": {"run.h5", "loss.html"},
     "write_a_probe.py": {"run.h5", "run.html"},
+    "huggingface_trainer.py": {"run.h5", "run.html"},
 }
 
 
