@@ -49,3 +49,27 @@ def record(
     recording.train_end(fit)
     recording.close(fit, names.FINISHED)
     return Path(path)
+
+
+class PlainNet(nn.Module):
+    """A plain ``nn.Module`` (no Lightning, no saved hyperparameters, no init args)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(3, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(x)))
+
+
+def plain_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A plain loop's module-level loss function, which offline tools can import (trusted)."""
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def plain_batches(count: int = 4, size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(count, size, 3, generator=generator)
+    return [(xi, xi.sum(1, keepdim=True).sin()) for xi in x]
