@@ -12,7 +12,7 @@ Losses are compared after a centred moving average over ``2h + 1`` records with
 evaluations), so that step noise in the training loss does not produce spurious crossovers.
 
 A comparison is only meaningful when the runs differ in the named variant alone. What each run
-recorded about itself — training loop, parameter layout, θ0's hash, module class, init args,
+recorded about itself — parameter layout, θ0's hash, training loop, module class, init args,
 loss rule, model edits (activations shifted and biases set by callbacks) and submodules,
 optimizers, schedulers, precision, data, probes and config — is checked pair by pair
 (:func:`comparability`) and summed up in one line (:func:`verdict`): "not comparable" when the
@@ -324,8 +324,8 @@ def comparability(
 ) -> list[Check]:
     """What two runs share and where they differ, check by check, from what each recorded.
 
-    The checks: the training loop (a difference is shown, and is no reason on its own not to
-    compare), the parameter layout (names and shapes), θ0's hash, the module's class, its
+    The checks: the parameter layout (names and shapes), θ0's hash, the training loop (a
+    difference is shown, and is no reason on its own not to compare), the module's class, its
     init args (saved hyperparameters; a Hugging Face model's config), its loss rule (another
     rule is another loss), the model edits (each editing callback's class and
     settings, e.g. ``ShiftActivations(shift=...)``: a run shifted and one not differ there),
@@ -369,9 +369,9 @@ def comparability(
         )
         loss_rule = Check(loss_rule.name, loss_rule.status, " vs ".join(words))
     return [
-        _check("loop", loop_of(reference), loop_of(other), labels),
         layout,
         _theta0_check(reference.theta0_sha256, other.theta0_sha256, labels),
+        _check("loop", loop_of(reference), loop_of(other), labels),
         _check("module", module_a.get("class_path"), module_b.get("class_path"), labels),
         init_args,
         loss_rule,
