@@ -181,6 +181,10 @@ def test_report_and_compare_of_every_loops_files(runs, tmp_path, dynamics):
     page = out.read_text()
     assert "differs in: loop (accelerate vs huggingface)" in page  # the pair: other vs reference
     assert "θT(hf) → θT(hf_fast)" in page  # the loss barriers, by model(**batch).loss
+    # The audit's loss pass on the probe batch, by model(**batch).loss: the token ids reach GPT-2.
+    result = dynamics("audit", runs["hf"])
+    assert result.returncode == 0, result.stderr
+    assert "origin: not checked (the input is not all floating point" in result.stdout
     out = tmp_path / "compare_plain.html"
     args = ("compare", runs["plain"], runs["plain_fast"], "-o", out, "--trust-recorded-model")
     result = dynamics(*args, cwd=REPO)

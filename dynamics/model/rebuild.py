@@ -243,6 +243,8 @@ def recorded_loss_rule(run: Run, trust_recorded_model: bool = False) -> LossRule
         DynamicsError: the rule is unknown, or its function cannot or may not be imported.
     """
     record = run.attrs.get(names.ATTR_LOSS_RULE)
+    if not isinstance(record, (Mapping, type(None))):
+        raise DynamicsError(f"{run.path.name}: the run's loss rule is not a mapping: {record!r}")
     function = str((record or {}).get("function", ""))
     module_name = function.partition(":")[0]
     if module_name == "__main__":

@@ -39,11 +39,16 @@ def module_record(module: nn.Module) -> dict[str, Any]:
     record: dict[str, Any] = {"class_path": class_path(module)}
     if is_pretrained_model(module):
         config = module.config
-        record["hf_config"] = {
-            "class_path": class_path(config),
-            "values": json.loads(json.dumps(config.to_dict())),
-            "attn_implementation": getattr(config, "_attn_implementation", None),
-        }
+        try:
+            values = json.loads(json.dumps(config.to_dict()))
+        except (TypeError, ValueError):  # a custom config holding objects: config unrecorded
+            values = None
+        if values is not None:
+            record["hf_config"] = {
+                "class_path": class_path(config),
+                "values": values,
+                "attn_implementation": getattr(config, "_attn_implementation", None),
+            }
     init_args, unrecorded = {}, []
     for name, value in hparams.items():
         if name.startswith("_"):  # LightningCLI's _class_path/_instantiator, not init args
