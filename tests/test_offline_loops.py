@@ -5,6 +5,7 @@ from their files, their loss is taken by the rule the file keeps, and ``info``, 
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from dynamics.callbacks import GradientPlane, ParameterDisplacement, TrainingLos
 from dynamics.errors import DynamicsError
 from dynamics.model import rebuild_module
 from dynamics.model.rebuild import recorded_loss_rule
+from dynamics.model.record import module_record
 from dynamics.passes.loss_rule import FunctionLoss, OutputLoss
 from dynamics.store import names
 from dynamics.store.schema import encode_attr
@@ -170,11 +172,12 @@ def test_compare_shows_a_difference_in_loop_alone(runs):
 
 
 def test_report_and_compare_of_every_loops_files(runs, tmp_path, dynamics):
-    for name in ("hf", "plain"):
+    shown = {"hf": "model(**batch).loss", "plain": "loss_fn tests.loop_driver:plain_loss"}
+    for name, rule in shown.items():
         out = tmp_path / f"{name}.html"
         result = dynamics("report", runs[name], "-o", out, cwd=REPO)
         assert result.returncode == 0, result.stderr
-        assert "huggingface" in out.read_text() if name == "hf" else "plain" in out.read_text()
+        assert rule in html.unescape(out.read_text())  # the setup table's loss rule
     out = tmp_path / "compare.html"
     result = dynamics("compare", runs["hf"], runs["hf_fast"], runs["accelerate"], "-o", out)
     assert result.returncode == 0, result.stderr
@@ -189,3 +192,15 @@ def test_report_and_compare_of_every_loops_files(runs, tmp_path, dynamics):
     args = ("compare", runs["plain"], runs["plain_fast"], "-o", out, "--trust-recorded-model")
     result = dynamics(*args, cwd=REPO)
     assert result.returncode == 0, result.stderr
+
+
+def test_module_records_of_a_plain_module_and_of_a_config_json_cannot_hold():
+    assert module_record(loop_driver.PlainNet()) == {
+        "class_path": "tests.loop_driver.PlainNet",
+        "init_args": {},
+        "unrecorded_init_args": [],
+    }
+    model = tiny_gpt2.model(0)
+    model.config.tokenizer = object()  # a custom setting no JSON holds: the config unrecorded
+    record = module_record(model)
+    assert "hf_config" not in record and record["unrecorded_init_args"] == ["config"]
