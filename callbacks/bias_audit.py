@@ -63,7 +63,14 @@ class BiasAudit(Probe):
                 unsharded_copy(pl_module, trainable, frozen) as module,
                 uncompiled(),  # dynamo cannot trace the audit's hooks and copies
             ):
-                result = audit_batch(module, batch, draws=self.draws, seed=self.seed, source=source)
+                result = audit_batch(
+                    module,
+                    batch,
+                    draws=self.draws,
+                    seed=self.seed,
+                    source=source,
+                    rule=fit.loss_rule,
+                )
         except DynamicsError:
             raise
         except Exception as error:  # a failure deep in user or compiler code: one line

@@ -12,14 +12,15 @@ a ridge.
 The loss is the one the plane views draw
 (:func:`~dynamics.analysis.measures.rebuilt_loss.rebuilt_surface`):
 the model rebuilt from the run file, in eval mode, on the stored probe batch, by the loss rule
-of :mod:`dynamics.passes.loss_rule`. A line between two runs uses the reference's model and probe
-batch, and each point the buffers (BatchNorm statistics) of the stored state of either run
-nearest to it (:mod:`dynamics.geometry.nearest_buffers`), so each end is evaluated with its own
-run's final buffers; it is drawn only for runs whose recorded models agree in class, model edits and
-submodules (a shifted and an unshifted network are two loss functions: no line joins them in
-one). A run whose model cannot be rebuilt, that stores no probe batch, θ0 or θT, or whose
-training diverged (θT not finite), gets a one-line remark instead of its lines; the comparison
-goes on.
+the run file keeps (:mod:`dynamics.passes.loss_rule`). A line between two runs uses the
+reference's model, loss rule and probe batch, and each point the buffers (BatchNorm
+statistics) of the stored state of either run nearest to it
+(:mod:`dynamics.geometry.nearest_buffers`), so each end is evaluated with its own run's final
+buffers; it is drawn only for runs whose recorded models agree in class, loss rule,
+model edits and submodules (a shifted and an unshifted network, or one model under two loss
+rules, are two loss functions: no line joins them in one). A run whose model cannot be
+rebuilt, that stores no probe batch, θ0 or θT, or whose training diverged (θT not finite), gets
+a one-line remark instead of its lines; the comparison goes on.
 
 A held-out batch (:func:`load_batch`, from a file ``torch.save`` wrote) replaces the probe
 batches on every line, and then no probe batch is needed; a rebuilt model that cannot take it
@@ -59,7 +60,7 @@ HELD_OUT_PER_PROBE_BATCH = 1024
 #: ... and at least this many bytes (a run's probe batch can be a handful of samples).
 HELD_OUT_MIN_BOUND = 64 * 2**20
 #: The comparability checks two runs must agree in for the reference's model to be theirs.
-_SAME_FUNCTION = ("module", "model edits", "submodules")
+_SAME_FUNCTION = ("module", "loss rule", "model edits", "submodules")
 
 
 @dataclass(frozen=True)

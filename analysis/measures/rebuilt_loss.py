@@ -2,9 +2,10 @@
 evaluate.
 
 The model is rebuilt (:func:`~dynamics.model.rebuild.rebuild_module`) in eval mode, its loss
-taken by the rule of :mod:`dynamics.passes.loss_rule` on the run's stored probe batch (or a given
-one), each point with the buffers (BatchNorm statistics) of the nearest stored state
-(:mod:`dynamics.geometry.nearest_buffers`).
+taken by the loss rule the run file keeps (:func:`~dynamics.model.rebuild.recorded_loss_rule`:
+Lightning's, a Hugging Face model's ``model(**batch).loss``, or a plain loop's loss function) on
+the run's stored probe batch (or a given one), each point with the buffers (BatchNorm
+statistics) of the nearest stored state (:mod:`dynamics.geometry.nearest_buffers`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dynamics.errors import DynamicsError, one_line
 from dynamics.geometry.landscape import LossSurface
 from dynamics.geometry.nearest_buffers import NearestBuffers
 from dynamics.model.probe_batch import probe_batch
-from dynamics.model.rebuild import RunInitArgs, rebuild_module
-from dynamics.passes.loss_rule import LossUnavailable, loss_source
+from dynamics.model.rebuild import RunInitArgs, rebuild_module, recorded_loss_rule
+from dynamics.passes.loss_rule import LossUnavailable
 from dynamics.store import Run, names
 
 __all__ = ["BatchRefused", "rebuilt_surface"]
@@ -47,14 +48,15 @@ def rebuilt_surface(
         :func:`~dynamics.model.rebuild.rebuild_module`).
         init_args: init args completing or overriding the recorded ones (see
             :func:`~dynamics.model.rebuild.rebuild_module`).
-        trust: import a recorded class from outside the installed packages.
+        trust: import a recorded class (or loss function) from outside the installed packages.
         buffers_of: the runs whose stored states supply buffers; default ``run``'s.
         batch: the batch to evaluate on instead of the stored probe batch (on the CPU).
         batch_name: what the batch is, for the error saying the model cannot take it.
 
     Raises:
-        DynamicsError: the model cannot be rebuilt, has no loss to evaluate, or the run stores
-            no probe batch (and no ``batch`` is given).
+        DynamicsError: the model cannot be rebuilt, has no loss to evaluate (the run's loss rule
+            gives none, or names a function that cannot or may not be imported), or the run
+            stores no probe batch (and no ``batch`` is given).
         BatchRefused: the model cannot take the batch (tried once, at θ0).
 
     Example::
@@ -62,15 +64,16 @@ def rebuilt_surface(
         surface = rebuilt_surface(open_run("runs/a.h5"))
         surface.loss(open_run("runs/a.h5").vector("theta0"))
     """
+    rule = recorded_loss_rule(run, trust)  # before the model: a refusal costs no build
     module = rebuild_module(run, model, init_args, trust)
     try:  # before any pass: a manually optimized module's training_step would train it
-        loss_source(module)
+        rule.check(module)
     except LossUnavailable as error:
         raise DynamicsError(f"{run.path.name}: {error}") from None
     buffers = NearestBuffers.of_runs(list(buffers_of) or [run], module)
     if batch is None:
         batch = probe_batch(run)
-    surface = LossSurface(module, run.layout, batch, buffers=buffers)
+    surface = LossSurface(module, run.layout, batch, rule, buffers=buffers)
     theta0 = run.vector(names.THETA0)  # the plane's checks have asked for it already
     try:  # once at θ0, so a batch the model cannot take is one line, not a worker's
         if theta0 is not None:

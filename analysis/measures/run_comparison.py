@@ -12,8 +12,8 @@ Losses are compared after a centred moving average over ``2h + 1`` records with
 evaluations), so that step noise in the training loss does not produce spurious crossovers.
 
 A comparison is only meaningful when the runs differ in the named variant alone. What each run
-recorded about itself — parameter layout, θ0's hash, module class, init args, model edits
-(activations shifted and biases set by callbacks) and submodules,
+recorded about itself — parameter layout, θ0's hash, training loop, module class, init args,
+loss rule, model edits (activations shifted and biases set by callbacks) and submodules,
 optimizers, schedulers, precision, data, probes and config — is checked pair by pair
 (:func:`comparability`) and summed up in one line (:func:`verdict`): "not comparable" when the
 layouts differ, "different init", "differs in: …", and never agreement on what a run did not
@@ -30,7 +30,13 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from dynamics.analysis.measures.run_setup import data_text
+from dynamics.analysis.measures.run_setup import (
+    data_text,
+    init_args_of,
+    loop_of,
+    loss_rule_of,
+    loss_rule_text,
+)
 from dynamics.analysis.measures.smoothing import SMOOTH_FRACTION, moving_average
 from dynamics.bias.audit_result import SETTINGS_KEY as AUDIT_SETTINGS_KEY
 from dynamics.store import Metric, Run, names
@@ -318,8 +324,10 @@ def comparability(
 ) -> list[Check]:
     """What two runs share and where they differ, check by check, from what each recorded.
 
-    The checks: the parameter layout (names and shapes), θ0's hash, the module's class, its
-    init args (saved hyperparameters), the model edits (each editing callback's class and
+    The checks: the parameter layout (names and shapes), θ0's hash, the training loop (a
+    difference is shown, and is no reason on its own not to compare), the module's class, its
+    init args (saved hyperparameters; a Hugging Face model's config), its loss rule (another
+    rule is another loss), the model edits (each editing callback's class and
     settings, e.g. ``ShiftActivations(shift=...)``: a run shifted and one not differ there),
     its submodules (class and settings of each), the
     optimizers and schedulers (class and hyperparameters), the precision, the data (the
@@ -339,7 +347,7 @@ def comparability(
     a, b = reference.attrs, other.attrs
     layout = _layout_check(a.get(names.ATTR_LAYOUT), b.get(names.ATTR_LAYOUT), labels)
     module_a, module_b = (x.get(names.ATTR_MODULE) or {} for x in (a, b))
-    args = module_a.get("init_args") or None, module_b.get("init_args") or None
+    args = init_args_of(module_a), init_args_of(module_b)
     # A module that saves no hyperparameters records {}: nothing to compare.
     init_args = _check("init args", *args, labels, absent="no saved hyperparameters")
     edit_settings = [_edit_settings(run.model_edits) for run in (reference, other)]
@@ -353,11 +361,20 @@ def comparability(
         variant += [key.rsplit(".", 1)[-1] for key in _flat_differences(*edit_settings)]
     differences = config_differences(reference.config, other.config, keep_variant=True)
     rest = {k: v for k, v in differences.items() if k.split(".", 1)[0] != "data"}
+    rules = [loss_rule_of(run) for run in (reference, other)]
+    loss_rule = _check("loss rule", *rules, labels)
+    if loss_rule.status in (SAME, DIFFERS):  # the rule's own words, not its record's keys
+        words = (
+            [loss_rule_text(rules[0])] if loss_rule.status == SAME else map(loss_rule_text, rules)
+        )
+        loss_rule = Check(loss_rule.name, loss_rule.status, " vs ".join(words))
     return [
         layout,
         _theta0_check(reference.theta0_sha256, other.theta0_sha256, labels),
+        _check("loop", loop_of(reference), loop_of(other), labels),
         _check("module", module_a.get("class_path"), module_b.get("class_path"), labels),
         init_args,
+        loss_rule,
         edits,
         _submodules_check(
             a.get(names.ATTR_SUBMODULES), b.get(names.ATTR_SUBMODULES), labels, variant

@@ -1,7 +1,10 @@
-"""What a run was, in words: module class and init args, what callbacks did to the module
-(activations shifted, biases set), layout, optimizer, scheduler, precision, data and probes,
-as the recorder stored them at the fit's first batch. The report and comparison pages show
-these lines; a field a run did not record says so.
+"""What a run was, in words: the training loop, module class and init args, the loss rule, what
+callbacks did to the module (activations shifted, biases set), layout, optimizer, scheduler,
+precision, data and probes, as the recorder stored them at the fit's first batch. The report and
+comparison pages show these lines; a field a run did not record says so.
+
+A run file from before other loops were recorded keeps neither its loop nor its loss rule: the
+recorder (its ``module`` attribute is there) ran under Lightning then, by the Lightning rule.
 """
 
 from __future__ import annotations
@@ -14,17 +17,91 @@ import numpy as np
 
 from dynamics.store import Run, names
 
-__all__ = ["NOT_RECORDED_TEXT", "data_text", "edits_text", "setup_rows"]
+__all__ = [
+    "NOT_RECORDED_TEXT",
+    "data_text",
+    "edits_text",
+    "init_args_of",
+    "loop_of",
+    "loss_rule_of",
+    "loss_rule_text",
+    "setup_rows",
+]
 
 #: What a field a run did not record reads as.
 NOT_RECORDED_TEXT = "not recorded"
+#: The loop and the loss rule of a recorder's file that names neither (written before loops
+#: other than Lightning were recorded).
+_LIGHTNING_LOOP, _LIGHTNING_RULE = "lightning", {"rule": "lightning"}
+
+
+def init_args_of(module: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The init args a module record holds, a Hugging Face model's config values as
+    ``config``; None when it holds none (no saved hyperparameters)."""
+    args = dict(module.get("init_args") or {})
+    config = module.get("hf_config")
+    if isinstance(config, Mapping):
+        args["config"] = config.get("values")
+    return args or None
+
+
+def _init_args_text(module: Mapping[str, Any]) -> str:
+    args = dict(module.get("init_args") or {})
+    config = module.get("hf_config")
+    if not isinstance(config, Mapping):
+        return _json(args) if args else f"{NOT_RECORDED_TEXT} (no saved hyperparameters)"
+    values = config.get("values") or {}
+    text = f"config {_short(config.get('class_path'))} ({len(values)} values recorded)"
+    return f"{_json(args)}; {text}" if args else text
+
+
+def loop_of(run: Run) -> str | None:
+    """The training loop that wrote ``run`` (``"lightning"``, ``"huggingface"``, ...); None
+    for a file no recorder wrote.
+
+    Example::
+
+        loop_of(open_run("runs/a.h5"))  # 'huggingface'
+    """
+    loop = run.attrs.get(names.ATTR_LOOP)
+    if loop is None and names.ATTR_MODULE in run.attrs:
+        return _LIGHTNING_LOOP
+    return None if loop is None else str(loop)
+
+
+def loss_rule_of(run: Run) -> dict[str, Any] | None:
+    """The loss rule ``run``'s probes took their losses by, as the file keeps it
+    (``{"rule": "lightning" | "output" | "function", "function": path}``); None for a file no
+    recorder wrote."""
+    rule = run.attrs.get(names.ATTR_LOSS_RULE)
+    if rule is None and names.ATTR_MODULE in run.attrs:
+        return dict(_LIGHTNING_RULE)
+    return rule if isinstance(rule, dict) else None
+
+
+def loss_rule_text(rule: Mapping[str, Any] | None) -> str:
+    """A loss rule (:func:`loss_rule_of`) in words.
+
+    Example::
+
+        loss_rule_text({"rule": "output"})  # 'model(**batch).loss'
+    """
+    if rule is None:
+        return NOT_RECORDED_TEXT
+    kind = rule.get("rule")
+    if kind == "lightning":
+        return "Lightning rule (dynamics_loss, else training_step)"
+    if kind == "output":
+        return "model(**batch).loss"
+    if kind == "function":
+        return f"loss_fn {rule.get('function')}"
+    return f"unknown rule {kind!r}"
 
 
 def setup_rows(run: Run) -> list[tuple[str, str]]:
     """``(field, text)`` for every part of the fit's setup, in the order pages show them."""
     attrs = run.attrs
     module = attrs.get(names.ATTR_MODULE) or {}
-    init_args = module.get("init_args")
     layout = attrs.get(names.ATTR_LAYOUT)
     submodules = attrs.get(names.ATTR_SUBMODULES)
     optimizers = attrs.get(names.ATTR_OPTIMIZERS)
@@ -32,11 +109,10 @@ def setup_rows(run: Run) -> list[tuple[str, str]]:
     data = attrs.get(names.ATTR_DATA)
     probes = attrs.get(names.ATTR_PROBES)
     return [
+        ("loop", loop_of(run) or NOT_RECORDED_TEXT),
         ("module", module.get("class_path") or NOT_RECORDED_TEXT),
-        (
-            "init args",
-            _json(init_args) if init_args else f"{NOT_RECORDED_TEXT} (no saved hyperparameters)",
-        ),
+        ("init args", _init_args_text(module)),
+        ("loss rule", loss_rule_text(loss_rule_of(run))),
         (
             "model edits",
             edits_text(run.model_edits) if run.model_edits is not None else NOT_RECORDED_TEXT,

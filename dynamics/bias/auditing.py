@@ -42,7 +42,7 @@ from dynamics.params.batch_tree import (
 from dynamics.params.groups import is_bias
 from dynamics.params.naming import module_copy, named_modules
 from dynamics.passes.isolation import side_effect_free
-from dynamics.passes.loss_rule import module_loss
+from dynamics.passes.loss_rule import LIGHTNING_RULE, LossRule
 
 #: Layers that take a ``bias`` option in PyTorch: the rows of the layer table.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (
@@ -144,6 +144,7 @@ def audit_batch(
     draws: int = DEFAULT_DRAWS,
     seed: int = 0,
     source: str = "a training batch",
+    rule: LossRule = LIGHTNING_RULE,
 ) -> AuditResult:
     """:func:`audit` of a module that takes training batches (a LightningModule), with the
     example input the loss rule's pass on ``batch`` gives its network (:func:`forward_input`).
@@ -159,9 +160,11 @@ def audit_batch(
         draws: random weight draws of the origin check.
         seed: seed of the origin check's generator.
         source: where ``batch`` came from, for ``input_note``.
+        rule: the loss rule of the loss pass (the run's: a Hugging Face model's
+            ``model(**batch).loss``, a plain loop's function).
     """
     try:
-        path, example = forward_input(module, batch)
+        path, example = forward_input(module, batch, rule)
     except DynamicsError as error:
         return audit(module, None, draws=draws, seed=seed, input_note=f"none ({error})")
     network = module.get_submodule(path)
@@ -176,14 +179,16 @@ def audit_batch(
     return audit(network, example, draws=draws, seed=seed, input_note=note)
 
 
-def forward_input(module: nn.Module, batch: Any) -> tuple[str, Any]:
+def forward_input(
+    module: nn.Module, batch: Any, rule: LossRule = LIGHTNING_RULE
+) -> tuple[str, Any]:
     """The network a loss pass on ``batch`` runs, and its input: how a LightningModule's
     training batch becomes an example input.
 
-    The loss rule (:mod:`dynamics.passes.loss_rule`) takes ``module``'s loss on ``batch`` once (no
-    gradients; flags, buffers and random state restored). The network is the first module the
-    pass calls from outside any other module's forward: ``module`` itself when the training
-    step calls ``self(x)``, else the submodule it calls (``self.student(x)``).
+    The loss ``rule`` (:mod:`dynamics.passes.loss_rule`) takes ``module``'s loss on ``batch``
+    once (no gradients; flags, buffers and random state restored). The network is the first
+    module the pass calls from outside any other module's forward: ``module`` itself when the
+    training step calls ``self(x)``, else the submodule it calls (``self.student(x)``).
 
     Returns:
         ``(path, input)``: the network's module path (``""``: ``module``) and what its forward
@@ -215,7 +220,7 @@ def forward_input(module: nn.Module, batch: Any) -> tuple[str, Any]:
     ]
     try:
         with side_effect_free(module), torch.no_grad():
-            module_loss(module, batch)
+            rule(module, batch)
     except Exception as error:  # any failure of user code: no input to audit with
         raise DynamicsError(f"the loss of {name} on the batch failed: {one_line(error)}") from None
     finally:

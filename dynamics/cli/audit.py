@@ -69,7 +69,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     audit.add_argument(
         "--trust-recorded-model",
         action="store_true",
-        help="with a run file: import its recorded class even from outside the installed packages",
+        help="with a run file: import its recorded class and loss function even from outside "
+        "the installed packages",
     )
     audit.set_defaults(handler=handle)
 
@@ -79,7 +80,7 @@ def handle(args: argparse.Namespace) -> int:
     from dynamics.analysis.measures.bias_audit import recorded_audit
     from dynamics.bias.auditing import audit, audit_batch, check_draws
     from dynamics.model.probe_batch import probe_batch
-    from dynamics.model.rebuild import build_module, rebuild_module
+    from dynamics.model.rebuild import build_module, rebuild_module, recorded_loss_rule
     from dynamics.store import names, open_run
 
     shape = _shape(args.input_shape)
@@ -115,12 +116,14 @@ def handle(args: argparse.Namespace) -> int:
             return 0
         model = rebuild_module(run, args.model, init_args, args.trust_recorded_model)
         if not inputs:
-            try:  # the batch GradientPlane stored
+            try:  # the batch GradientPlane stored, and the rule the probes took losses by
                 batch = probe_batch(run)
+                rule = recorded_loss_rule(run, args.trust_recorded_model)
             except DynamicsError as error:
                 note = f"none ({error}); pass --input-shape"
             else:
-                result = audit_batch(model, batch, source="the run's probe batch", **draws)
+                source = "the run's probe batch"
+                result = audit_batch(model, batch, source=source, rule=rule, **draws)
     elif args.model or args.trust_recorded_model:
         raise DynamicsError("--model and --trust-recorded-model go with a run file")
     else:

@@ -120,8 +120,9 @@ def model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-recorded-model",
         action="store_true",
-        help="import the runs' recorded model class even from outside the installed packages "
-        "(e.g. the working directory's modules); importing runs that module's code",
+        help="import the runs' recorded model class and loss function even from outside the "
+        "installed packages (e.g. the working directory's modules); importing runs that "
+        "module's code",
     )
 
 

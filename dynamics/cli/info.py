@@ -16,16 +16,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    """Print the run's status, parameters, events, series, snapshots, vectors and config."""
+    """Print the run's status, training loop and loss rule, parameters, events, series,
+    snapshots, vectors and config."""
+    from dynamics.analysis.measures.run_setup import loop_of, loss_rule_of
     from dynamics.store import open_run
 
     run = open_run(args.run)
-    summary = run.summary() | {"parameters": _parameters(run)}
+    setup = {"loop": loop_of(run), "loss_rule": loss_rule_of(run)}
+    summary = run.summary() | {"setup": setup, "parameters": _parameters(run)}
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
     print(f"{summary['path']}  (run {summary['run_name']}, schema v{summary['schema_version']})")
     print(f"  status {_status_line(summary['status'])}")
+    print(f"  {_setup_line(setup)}")
     print(f"  parameters {_parameters_line(summary['parameters'])}")
     if summary["diverged_at"] is not None:
         print(f"  diverged at step {summary['diverged_at']}: its loss or parameters not finite")
@@ -44,6 +48,14 @@ def handle(args: argparse.Namespace) -> int:
     if config:
         print(f"  config {json.dumps(config, sort_keys=True)}")
     return 0
+
+
+def _setup_line(setup: dict) -> str:
+    """``loop huggingface, loss rule model(**batch).loss``."""
+    from dynamics.analysis.measures.run_setup import NOT_RECORDED_TEXT, loss_rule_text
+
+    loop = setup["loop"] or NOT_RECORDED_TEXT
+    return f"loop {loop}, loss rule {loss_rule_text(setup['loss_rule'])}"
 
 
 def _parameters(run) -> dict:

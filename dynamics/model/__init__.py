@@ -3,7 +3,13 @@ its checks), and rebuilding the module offline from the run file."""
 
 from dynamics.model.loading import load_into
 from dynamics.model.probe_batch import probe_batch
-from dynamics.model.rebuild import MissingInitArgs, RunInitArgs, build_module, rebuild_module
+from dynamics.model.rebuild import (
+    MissingInitArgs,
+    RunInitArgs,
+    build_module,
+    rebuild_module,
+    recorded_loss_rule,
+)
 
 __all__ = [
     "MissingInitArgs",
@@ -12,4 +18,5 @@ __all__ = [
     "load_into",
     "probe_batch",
     "rebuild_module",
+    "recorded_loss_rule",
 ]

@@ -21,8 +21,8 @@ def probe_batch(run: Run) -> Any:
 
     Example::
 
-        batch = probe_batch(run)  # as the module's training_step took it
-        loss = module_loss(rebuild_module(run), batch)
+        batch = probe_batch(run)  # as the loop handed it to the module
+        loss = recorded_loss_rule(run)(rebuild_module(run), batch)  # the run's own loss
 
     Raises:
         DynamicsError: the run stores no probe batch, or one that cannot be rebuilt.

@@ -7,6 +7,8 @@ an argument that was not saved may have had its default or any other value. So
 :func:`rebuild_module` refuses a class whose init args are incomplete rather than fill them
 with defaults (a different width fails on shapes; a different label smoothing gives wrong
 losses silently) and says what to pass instead: the missing args as JSON, or a factory.
+A Hugging Face model (``transformers.PreTrainedModel``) is the exception that needs none: its
+config is recorded whole, and the model is rebuilt as ``Model(ConfigClass.from_dict(...))``.
 
 A class defined in the training script (``__main__``) or in a file that is not importable is
 named with ``model="path/to/file.py:Class"``; a module of the working directory imports as it
@@ -17,6 +19,7 @@ only when its top-level package is an installed distribution's (looked up in the
 metadata, before anything is imported), and only a ``torch.nn.Module`` subclass is ever called.
 Anything else (the working directory's modules, the standard library) needs the user's word:
 ``model=`` names the class or factory, or ``trust_recorded_model=True`` imports the recorded one.
+A loss function the run's loss rule names (:func:`recorded_loss_rule`) is trusted the same way.
 
 What callbacks did to the module at fit time is replayed (``model_edits``): activations
 shifted by ``ShiftActivations`` are shifted again with the recorded settings, and each c is
@@ -57,9 +60,10 @@ from dynamics.bias.activations import ShiftedActivation
 from dynamics.bias.shift import shift_activations
 from dynamics.errors import DynamicsError, ParameterError, one_line
 from dynamics.model.loading import check_frozen_parameters, submodule_differences
-from dynamics.model.record import builds_in_configure_model, init_parameters
+from dynamics.model.record import builds_in_configure_model, init_parameters, is_pretrained_config
 from dynamics.params.layout import ParameterLayout
 from dynamics.params.vectors import load_state
+from dynamics.passes.loss_rule import LossRule, LossUnavailable, loss_rule_from_dict
 from dynamics.store import Run, names
 from dynamics.system import available_bytes, check_fits
 
@@ -201,6 +205,8 @@ def rebuild_module(
     given = init_args.of(run)
     if inspect.isclass(target):
         args = {**(spec.get("init_args") or {}), **given}
+        if spec.get("hf_config") and "config" not in given:
+            args["config"] = _recorded_config(run, spec["hf_config"], trust_recorded_model)
         unrecorded = set(spec.get("unrecorded_init_args", ()))
         unrecorded |= {n for n in init_parameters(target) if n not in args}
         missing = sorted(unrecorded - init_args.completing(run))
@@ -218,6 +224,56 @@ def rebuild_module(
     check_frozen_parameters(run, module)
     _check_submodules(run, module)
     return module
+
+
+def recorded_loss_rule(run: Run, trust_recorded_model: bool = False) -> LossRule:
+    """The loss rule the run's probes took their losses by (root attr ``loss_rule``; the
+    Lightning rule for files that keep none), for an offline tool to take the same loss.
+
+    A loss function's module is imported under the rule for a recorded model class: only from
+    an installed package, unless ``trust_recorded_model`` (then the working directory's modules
+    import too); one defined in the training script (``__main__``) never.
+
+    Example::
+
+        rule = recorded_loss_rule(run)  # OutputLoss() for a Hugging Face Trainer's run
+        loss = rule(rebuild_module(run), probe_batch(run))
+
+    Raises:
+        DynamicsError: the rule is unknown, or its function cannot or may not be imported.
+    """
+    record = run.attrs.get(names.ATTR_LOSS_RULE)
+    if not isinstance(record, (Mapping, type(None))):
+        raise DynamicsError(f"{run.path.name}: the run's loss rule is not a mapping: {record!r}")
+    function = str((record or {}).get("function", ""))
+    module_name = function.partition(":")[0]
+    if module_name == "__main__":
+        raise DynamicsError(
+            f"{run.path.name}: the run's loss function {function} was defined in the training "
+            "script (__main__), which cannot be imported; define it in a module to take the "
+            "run's loss offline"
+        )
+
+    def importable(module_name: str) -> bool:
+        top = module_name.split(".")[0]
+        return trust_recorded_model or top in importlib.metadata.packages_distributions()
+
+    if module_name and "<" not in function and not importable(module_name):
+        trust = ParameterError("trust_recorded_model", "if you trust this file")
+        raise DynamicsError(
+            f"{run.path.name}: the run's loss function {function} is outside the installed "
+            f"packages (importing it would run its code); pass {trust}"
+        ).quoting(trust)
+    try:
+        with _importable_working_directory() if trust_recorded_model else contextlib.nullcontext():
+            return loss_rule_from_dict(record, importable)
+    except LossUnavailable as error:
+        raise DynamicsError(f"{run.path.name}: {error}") from None
+    except Exception as error:  # the user's module raised while importing
+        raise DynamicsError(
+            f"{run.path.name}: importing the run's loss function {function} failed: "
+            f"{one_line(error)}"
+        ) from None
 
 
 def _missing_init_args(
@@ -467,6 +523,28 @@ def _check_submodules(run: Run, module: nn.Module) -> None:
             f"({differing}); was the model edited after it was built (shift_activations in "
             f"the training script)? Shift it with the ShiftActivations callback, or pass {factory}"
         ).quoting(factory)
+
+
+def _recorded_config(run: Run, record: Mapping[str, Any], trusted: bool) -> Any:
+    """The Hugging Face config a run recorded (``module_record``'s ``hf_config``), rebuilt by
+    its class's ``from_dict``; the class is trusted as a model's class is, and only a
+    ``transformers`` config class is ever called."""
+    path = str(record.get("class_path", ""))
+    cls = _recorded_class(run, path, trusted)
+    if not (inspect.isclass(cls) and is_pretrained_config(cls)):
+        model = ParameterError("model", "to name the model's class or a factory")
+        raise DynamicsError(
+            f"{run.path.name}: recorded config {path} is not a transformers config class; "
+            f"refusing to call it (pass {model})"
+        ).quoting(model)
+    implementation = record.get("attn_implementation")
+    options = {"attn_implementation": implementation} if implementation else {}
+    try:
+        return cls.from_dict(dict(record.get("values") or {}), **options)
+    except Exception as error:  # any failure of the library on recorded data
+        raise DynamicsError(
+            f"{run.path.name}: rebuilding config {cls.__qualname__} failed: {one_line(error)}"
+        ) from None
 
 
 def _check_module_class(run: Run, class_path: str, target: Any) -> None:
