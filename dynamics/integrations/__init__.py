@@ -1,0 +1,1 @@
+"""Adapters for training loops other than Lightning: the Hugging Face Trainer, accelerate and plain PyTorch loops."""
