@@ -21,6 +21,7 @@ from dynamics.callbacks import (
 )
 from dynamics.store import RunFileError
 from tests import tiny_gpt2
+from tests.forked import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The series a plain loop and Lightning compute by the same arithmetic: equal to the bit.
@@ -353,3 +354,47 @@ def test_a_lightning_fit_of_the_same_model_and_data_records_the_same_rows(tmp_pa
     for key, values in _rows(other).items():  # the same arithmetic: equal to the bit
         np.testing.assert_array_equal(_rows(plain)[key], values, err_msg=str(key))
     np.testing.assert_array_equal(plain.vector("theta_final"), other.vector("theta_final"))
+
+
+def _ddp_rank(rank, path, params):
+    """Rank ``rank`` of a plain DDP loop: it trains on every other batch (rank r takes batches
+    r, r + 2, ...), so the two ranks' step is the single process's step of two micro-batches."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.distributed.init_process_group("gloo")
+    try:
+        net = tiny_gpt2.model()
+        model = DistributedDataParallel(net)
+        opt = tiny_gpt2.optimizer(model)
+        recorder = _Unrecorded()
+        if path is not None:
+            recorder = dynamics.record(
+                path, model, opt, loss_fn=tiny_gpt2.loss, probes=_default_probes()
+            )
+        with recorder:
+            for batch in _batches()[rank::2]:
+                with recorder.batch(batch) as b:
+                    loss = tiny_gpt2.loss(model, batch)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    b.loss(loss)
+        if rank == 0:
+            torch.save(net.state_dict(), params)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_ddp_loop_records_what_one_process_accumulating_its_batches_records(tmp_path):
+    run_ranks(_ddp_rank, tmp_path / "ddp.h5", tmp_path / "recorded.pt")
+    run_ranks(_ddp_rank, None, tmp_path / "unrecorded.pt")
+    recorded, unrecorded = (torch.load(tmp_path / f"{n}.pt") for n in ("recorded", "unrecorded"))
+    assert all(torch.equal(recorded[k], unrecorded[k]) for k in recorded)  # training unperturbed
+    train(tmp_path / "single.h5", _batches(), accumulate=2)
+    ddp, single = dynamics.open_run(tmp_path / "ddp.h5"), dynamics.open_run(tmp_path / "single.h5")
+    assert ddp.status().state == "finished"
+    assert not (tmp_path / "ddp.h5").with_suffix(".h5.lock").exists()
+    # Equal to the bit: DDP's mean of two gradients, (g0 + g1) / 2, and the accumulated
+    # g0 / 2 + g1 / 2 round alike (halving is exact), and the ranks' sums add two terms.
+    for key, values in _rows(single).items():
+        np.testing.assert_array_equal(_rows(ddp)[key], values, err_msg=str(key))
