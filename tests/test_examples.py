@@ -19,6 +19,8 @@ OUTPUTS = {
     "compare_two_runs.py": {"lr_0.05.h5", "lr_0.2.h5", "compare.html"},
     "notebook_api.py": {"run.h5", "loss.html"},
     "write_a_probe.py": {"run.h5", "run.html"},
+    "plain_loop.py": {"run.h5", "last.ckpt", "run.html"},
+    "accelerate_loop.py": {"run.h5", "run.html"},
 }
 
 

@@ -398,3 +398,13 @@ def test_a_ddp_loop_records_what_one_process_accumulating_its_batches_records(tm
     # g0 / 2 + g1 / 2 round alike (halving is exact), and the ranks' sums add two terms.
     for key, values in _rows(single).items():
         np.testing.assert_array_equal(_rows(ddp)[key], values, err_msg=str(key))
+
+
+@pytest.mark.parametrize(
+    ("page", "script"), [("plain.md", "plain_loop.py"), ("accelerate.md", "accelerate_loop.py")]
+)
+def test_each_loop_page_shows_its_tested_example_in_full(page, script):
+    text = (ROOT / "docs" / "loops" / page).read_text()
+    example = text.split("## A complete example")[1]
+    [code] = re.findall(r"```python\n(.*?)```", example, flags=re.DOTALL)
+    assert code == (ROOT / "examples" / script).read_text()  # tests/test_examples.py runs it
