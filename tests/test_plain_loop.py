@@ -408,3 +408,26 @@ def test_each_loop_page_shows_its_tested_example_in_full(page, script):
     example = text.split("## A complete example")[1]
     [code] = re.findall(r"```python\n(.*?)```", example, flags=re.DOTALL)
     assert code == (ROOT / "examples" / script).read_text()  # tests/test_examples.py runs it
+
+
+def test_a_compiled_model_records_what_the_model_itself_records(tmp_path):
+    batches = _batches(16)
+    train(tmp_path / "eager.h5", batches)
+    net = tiny_gpt2.model()
+    opt = tiny_gpt2.optimizer(net)
+    compiled = torch.compile(net, backend="eager")  # the wrapper, without a compiler's cost
+    probes = _default_probes()
+    with dynamics.record(tmp_path / "compiled.h5", compiled, opt, probes=probes) as rec:
+        assert rec.fit.module is net
+        for batch in batches:
+            with rec.batch(batch) as b:
+                loss = tiny_gpt2.loss(compiled, batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                b.loss(loss)
+    eager, compiled = (dynamics.open_run(tmp_path / f"{n}.h5") for n in ("eager", "compiled"))
+    assert compiled.theta0_sha256 == eager.theta0_sha256
+    assert compiled.layout.names == eager.layout.names
+    for key, values in _rows(eager).items():
+        np.testing.assert_array_equal(_rows(compiled)[key], values, err_msg=str(key))
