@@ -431,3 +431,14 @@ def test_a_compiled_model_records_what_the_model_itself_records(tmp_path):
     assert compiled.layout.names == eager.layout.names
     for key, values in _rows(eager).items():
         np.testing.assert_array_equal(_rows(compiled)[key], values, err_msg=str(key))
+
+
+def test_import_dynamics_stays_torch_free_until_record_is_used():
+    code = (
+        "import sys, dynamics\n"
+        "assert 'torch' not in sys.modules and 'record' in dynamics.__all__\n"
+        "assert callable(dynamics.record) and 'torch' in sys.modules\n"
+        "assert 'accelerate' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -171,7 +171,7 @@ class PlainRecorder(Recording):
             schedulers = [getattr(s, "scheduler", s) for s in schedulers]
             accumulate_grad_batches = accelerator.gradient_accumulation_steps
             precision = str(accelerator.mixed_precision)
-            loop, versions = "accelerate", {"accelerate": _version_of(accelerator)}
+            loop, versions = "accelerate", {"accelerate": _accelerate_version()}
         elif any(type(o).__module__.startswith("accelerate") for o in optimizers):
             raise TypeError(
                 "record() was given an optimizer prepared by accelerate: pass the Accelerator "
@@ -431,7 +431,7 @@ def _listed(optimizer: Any) -> list[Any]:
     return [optimizer]
 
 
-def _version_of(accelerator: Any) -> str:
-    import accelerate  # the Accelerator given proves it is installed
+def _accelerate_version() -> str:
+    import accelerate  # only where an Accelerator was given, which proves it is installed
 
     return accelerate.__version__
