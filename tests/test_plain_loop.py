@@ -265,6 +265,8 @@ def test_misuse_is_refused_in_one_clear_line(tmp_path):
         with rec.batch(batch):
             pass
     with rec:
+        with pytest.warns(UserWarning, match="before the first rec.batch is not recorded"):
+            rec.validation({"val_loss": 1.0})
         with rec.batch(batch) as b:
             with pytest.raises(RuntimeError, match="inside another rec.batch"):
                 with rec.batch(batch):
@@ -442,3 +444,48 @@ def test_import_dynamics_stays_torch_free_until_record_is_used():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _ddp_resume_rank(rank, path, steps, checkpoint):
+    """Rank ``rank`` of a plain DDP loop over ``steps`` (a range of optimizer steps), resumed
+    from ``checkpoint`` when it exists and saving it at the end: every rank takes the
+    recorder's state together, rank zero saves."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.distributed.init_process_group("gloo")
+    try:
+        net = tiny_gpt2.model()
+        opt = tiny_gpt2.optimizer(net)
+        probes = [*_default_probes(), HessianSpectrum(k=1, every_n_steps=2, max_hvp=20)]
+        model = DistributedDataParallel(net)
+        rec = dynamics.record(path, model, opt, probes=probes)
+        if checkpoint.exists():
+            saved = torch.load(checkpoint, weights_only=True)
+            net.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            rec.load_state_dict(saved["dynamics"])
+        with rec:
+            for batch in _batches()[rank::2][steps.start : steps.stop]:
+                with rec.batch(batch) as b:
+                    loss = tiny_gpt2.loss(model, batch)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    b.loss(loss)
+            state = rec.state_dict()  # collective: every rank, though rank zero alone saves
+        if rank == 0:
+            saved = {"model": net.state_dict(), "optimizer": opt.state_dict(), "dynamics": state}
+            torch.save(saved, checkpoint)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_resumed_ddp_loop_continues_the_file_as_an_uninterrupted_one_wrote_it(tmp_path):
+    run_ranks(_ddp_resume_rank, tmp_path / "whole.h5", range(0, 4), tmp_path / "whole.ckpt")
+    for steps in (range(0, 2), range(2, 4)):
+        run_ranks(_ddp_resume_rank, tmp_path / "resumed.h5", steps, tmp_path / "resumed.ckpt")
+    whole, resumed = (dynamics.open_run(tmp_path / f"{n}.h5") for n in ("whole", "resumed"))
+    assert resumed.status().state == "finished"
+    groups = (*SAME_ARITHMETIC, "hessian")
+    for key, values in _rows(whole, groups).items():
+        np.testing.assert_array_equal(_rows(resumed, groups)[key], values, err_msg=str(key))

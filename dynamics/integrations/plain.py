@@ -288,7 +288,8 @@ class PlainRecorder(Recording):
 
     def validation(self, metrics: Mapping[str, Any] | None = None) -> None:
         """After an evaluation the loop ran itself: ``metrics`` (name -> number or scalar
-        tensor) are what ``LoggedMetrics`` records, at the current step.
+        tensor) are what ``LoggedMetrics`` records, at the current step. One before the first
+        training batch is not recorded (with a warning): the run file begins there.
 
         Example::
 
@@ -308,6 +309,12 @@ class PlainRecorder(Recording):
             if not isinstance(value, (int, float, torch.Tensor)) or isinstance(value, bool):
                 raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__}")
             values[name] = torch.as_tensor(value).detach().float().reshape(())
+        if not self._started:
+            self._fit.warn(
+                "rec.validation(...) before the first rec.batch is not recorded: the run file "
+                "begins at the first training batch"
+            )
+            return
         self.flush()
         self._fit.metrics = values
         self.validation_end(self._fit)
