@@ -20,6 +20,8 @@ OUTPUTS = {
     "notebook_api.py": {"run.h5", "loss.html"},
     "write_a_probe.py": {"run.h5", "run.html"},
     "huggingface_trainer.py": {"run.h5", "run.html"},
+    "plain_loop.py": {"run.h5", "last.ckpt", "run.html"},
+    "accelerate_loop.py": {"run.h5", "run.html"},
 }
 
 

@@ -1,1 +1,2 @@
-"""The recorder under other loops than Lightning: the Hugging Face Trainer, a plain loop."""
+"""The recorder under loops other than Lightning: the Hugging Face Trainer, accelerate and
+plain PyTorch loops."""
