@@ -112,7 +112,12 @@ def plain(path: Path | None, steps: int) -> Parameters:
             optimizer.step()
             optimizer.zero_grad()
         return _parameters(model)
-    with dynamics.record(path, model, optimizer, loss_fn=tiny_gpt2.loss, probes=probes()) as rec:
+    # The run's length, which Lightning and the Trainer know from max_steps: the displacement's
+    # snapshot plan is laid out on it.
+    recorder = dynamics.record(
+        path, model, optimizer, loss_fn=tiny_gpt2.loss, probes=probes(), expected_steps=steps
+    )
+    with recorder as rec:
         for batch in batches:
             with rec.batch(batch) as step:
                 loss = tiny_gpt2.loss(model, batch)
@@ -137,7 +142,13 @@ def accelerated(path: Path | None, steps: int) -> Parameters:
             optimizer.zero_grad()
         return _parameters(accelerator.unwrap_model(model))
     recorder = dynamics.record(
-        path, model, optimizer, loss_fn=tiny_gpt2.loss, probes=probes(), accelerator=accelerator
+        path,
+        model,
+        optimizer,
+        loss_fn=tiny_gpt2.loss,
+        probes=probes(),
+        accelerator=accelerator,
+        expected_steps=steps,
     )
     with recorder as rec:
         for batch in batches:

@@ -1,25 +1,33 @@
-"""Two forked CPU processes as the ranks of one job, for loops that start their own process
-group (a plain DDP loop, accelerate's ``Accelerator``): the environment ``torchrun`` would set
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), one free port, and fork, which keeps pytest's
-process (nothing re-runs the test file)."""
+"""Two CPU processes as the ranks of one job, for loops that start their own process group (a
+plain DDP loop, accelerate's ``Accelerator``): the environment ``torchrun`` would set (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ...) and one free port. The ranks are spawned, fresh
+interpreters that import the test module again: forked from a pytest process that had run a
+Lightning fit or ``torch.compile`` before, a rank was seen to hang in the process group."""
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
 
 def run_ranks(main: Callable[..., None], *args: Any, size: int = 2) -> None:
-    """``main(rank, *args)`` in ``size`` forked processes with torchrun's environment; raises
-    if any of them fails."""
+    """``main(rank, *args)`` in ``size`` spawned processes with torchrun's environment; raises
+    if any of them fails (``main`` and ``args`` must pickle: a module-level function)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(size, port, main, args), nprocs=size, start_method="fork")
+    # A spawned rank imports ``main``'s module by name, on the path the parent hands it: the
+    # checkout's root must be on it (pytest imports the test modules without it).
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.append(root)
+    mp.start_processes(_rank, args=(size, port, main, args), nprocs=size, start_method="spawn")
 
 
 def _rank(rank: int, size: int, port: int, main: Callable[..., None], args: tuple) -> None:

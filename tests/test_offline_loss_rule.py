@@ -98,3 +98,12 @@ def test_report_of_a_folder_skips_a_file_with_no_series_and_names_it(tmp_path, d
     assert "good" in page and "1 run(s)" in page
     alone = dynamics("report", folder / "empty.h5", "-o", tmp_path / "alone.html")
     assert alone.returncode == 2 and "no series to report" in alone.stderr
+
+
+def test_a_run_recorded_without_a_loss_function_says_so_offline():
+    from dynamics.passes.loss_rule import LossUnavailable, loss_rule_from_dict
+
+    with pytest.raises(LossUnavailable, match="recorded without a loss function"):
+        loss_rule_from_dict({"rule": "none"})
+    with pytest.raises(LossUnavailable, match="unknown loss rule 'other'"):
+        loss_rule_from_dict({"rule": "other"})

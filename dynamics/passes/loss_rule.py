@@ -205,6 +205,11 @@ def loss_rule_from_dict(
         return LIGHTNING_RULE
     if rule == "output":
         return OutputLoss()
+    if rule == "none":
+        raise LossUnavailable(
+            "the run was recorded without a loss function (a plain loop's record() given no "
+            "loss_fn), so its loss cannot be taken again offline"
+        )
     if rule != "function":
         raise LossUnavailable(f"the run file names an unknown loss rule {rule!r}")
     path = str(record.get("function", ""))
