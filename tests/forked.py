@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+
+#: How long the ranks of one test may take, start to finish.
+TIMEOUT_S = 240.0
 
 
 def run_ranks(main: Callable[..., None], *args: Any, size: int = 2) -> None:
@@ -27,7 +31,16 @@ def run_ranks(main: Callable[..., None], *args: Any, size: int = 2) -> None:
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.append(root)
-    mp.start_processes(_rank, args=(size, port, main, args), nprocs=size, start_method="spawn")
+    ranks = mp.start_processes(
+        _rank, args=(size, port, main, args), nprocs=size, start_method="spawn", join=False
+    )
+    # A rank left waiting in a collective its peer never joins would hang the suite: bounded.
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ranks.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise TimeoutError(f"{main.__name__}: the ranks did not finish in {TIMEOUT_S:.0f} s")
 
 
 def _rank(rank: int, size: int, port: int, main: Callable[..., None], args: tuple) -> None:
