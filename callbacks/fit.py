@@ -118,14 +118,12 @@ class Fit:
     def loss_sum(self, losses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, float]:
         """This rank's part of the step's training loss as ``(total, count)``: the step's loss
         is the sum of the ranks' totals over the sum of their counts. Here every micro-batch
-        returned its own mean loss, so the step's is their mean."""
-        return torch.stack([loss.detach().float().reshape(()) for loss in losses]).sum(), float(
-            len(losses)
-        )
+        returned its own mean loss, so the step's is their mean. ``losses`` are detached
+        float scalars (``TrainingLoss`` keeps them so)."""
+        return torch.stack(list(losses)).sum(), float(len(losses))
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> bool:
-        """Send ``metrics`` to the loop's loggers; whether it has any to send them to."""
-        return False
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Send ``metrics`` to the loop's loggers (none here: only Lightning's are reached)."""
 
     def model_edits(self) -> list[dict[str, Any]]:
         """What model-editing callbacks did to the module this fit (``dynamics_edit()``)."""
@@ -229,12 +227,10 @@ class LightningFit(Fit):
             loss = loss * self.trainer.accumulate_grad_batches
         return loss
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> bool:
-        loggers = self.trainer.loggers
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if metrics and self.trainer.is_global_zero:
-            for logger in loggers:
+            for logger in self.trainer.loggers:
                 logger.log_metrics(dict(metrics), step=step)
-        return bool(loggers)
 
     def model_edits(self) -> list[dict[str, Any]]:
         """The records of the callbacks that edited the module, in order, once each has

@@ -85,7 +85,7 @@ class HuggingFaceFit(Fit):
     def loss_sum(self, losses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, float]:
         if not self.token_normalized:
             return super().loss_sum(losses)  # each a micro-batch's mean, as the Trainer scales
-        total = torch.stack([loss.detach().float().reshape(()) for loss in losses]).sum()
+        total, _ = super().loss_sum(losses)
         # Normalized by every rank's tokens, the ranks' totals add up to the step's loss (the
         # Trainer multiplies by the world size, and DDP averages the gradients back); by the
         # rank's own tokens, the step's loss is the mean of the ranks' totals.
