@@ -82,6 +82,8 @@ class Curve:
         markers: draw a marker at each record (sparse series such as held-out loss).
         group: legend group, so traces that belong together toggle together.
         show_legend: whether the curve gets a legend entry.
+        source: what the curve draws, kept as the trace's ``meta`` (``{"run", "series",
+            "column"}`` for a recorded series), so a live page can extend it as rows arrive.
     """
 
     name: str
@@ -92,6 +94,7 @@ class Curve:
     markers: bool = False
     group: str | None = None
     show_legend: bool = True
+    source: dict | None = None
 
 
 def decimate(step: ArrayLike, values: ArrayLike, budget: int = DISPLAY_BUDGET) -> Decimated:
@@ -222,6 +225,7 @@ def add_curve(
             marker=dict(size=5),
             legendgroup=curve.group,
             showlegend=curve.show_legend,
+            meta=curve.source,
         ),
         row=row,
         col=col,

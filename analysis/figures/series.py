@@ -171,6 +171,7 @@ class _Panel:
     curves: tuple[Curve, ...] = ()
     heat: _Heat | None = None
     peaks: tuple[Peak, ...] = ()
+    source: dict | None = None  # of a heatmap: the trace's meta, as :class:`Curve` keeps it
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,20 +215,23 @@ def _view_block(
         legend.add(key)
         return new
 
-    def curve(name: str, one: SeriesView, values: np.ndarray, color: str, key: str) -> Curve:
+    def curve(
+        name: str, label: str, one: SeriesView, values: np.ndarray, j: int, color: str, key: str
+    ) -> Curve:
         return Curve(
             name,
             one.step,
-            values,
+            values[:, j],
             color,
             markers=len(one.step) <= 100,  # sparse records (an evaluation every n steps)
             group=key or None,
             show_legend=bool(key) and in_legend(key),
+            source={"run": label, "series": one.name, "column": j},
         )
 
     if kind == "scalar":
         curves = tuple(
-            curve(label or view.title, one, v[:, 0], color, label and f"run {label}")
+            curve(label or view.title, label, one, v, 0, color, label and f"run {label}")
             for label, color, one, v, _ in tables
         )
         peaks = tuple(p for *_, one, _, _ in tables for p in one.peaks)
@@ -238,7 +242,7 @@ def _view_block(
             _Panel(
                 column,
                 tuple(
-                    curve(label or column, one, v[:, i], color, label and f"run {label}")
+                    curve(label or column, label, one, v, i, color, label and f"run {label}")
                     for label, color, one, v, cols in tables
                     for i in range(len(cols))
                     if cols[i] == column
@@ -252,7 +256,7 @@ def _view_block(
             _Panel(
                 _whose(label),
                 tuple(
-                    curve(column, one, v[:, j], color, f"column {column}")
+                    curve(column, label, one, v, j, color, f"column {column}")
                     for j, (column, color) in enumerate(zip(cols, layer_colors(len(cols))))
                 ),
                 peaks=tuple(one.peaks),
@@ -262,7 +266,9 @@ def _view_block(
     else:  # heatmap
         panels = tuple(
             _Panel(
-                _whose(label), heat=_heat(one.step, cols, _log10(v) if view.log_y else v, budget)
+                _whose(label),
+                heat=_heat(one.step, cols, _log10(v) if view.log_y else v, budget),
+                source={"run": label, "series": one.name, "log10": view.log_y},
             )
             for label, _, one, v, cols in tables
         )
@@ -337,7 +343,14 @@ def _blocks_figure(
         else:
             scale = scales.setdefault(block, f"coloraxis{len(scales) + 1}")
             heat = panel.heat
-            trace = go.Heatmap(x=heat.step, y=heat.y, z=heat.z, coloraxis=scale, name=block.title)
+            trace = go.Heatmap(
+                x=heat.step,
+                y=heat.y,
+                z=heat.z,
+                coloraxis=scale,
+                name=block.title,
+                meta=panel.source,
+            )
             figure.add_trace(trace, row=row, col=col)
             if len(heat.step) < heat.original:
                 thinned.append((len(heat.step), heat.original))

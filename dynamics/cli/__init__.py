@@ -22,6 +22,7 @@ from dynamics.cli import (
     report,
     reproduce,
     run,
+    watch,
 )
 from dynamics.cli.common import (
     BROKEN_PIPE,
@@ -34,7 +35,7 @@ from dynamics.cli.stdout import Stdout, StdoutFailed, discard
 from dynamics.errors import DynamicsError
 
 #: One module per command, in the order ``dynamics --help`` lists them.
-COMMANDS = (run, configs, reproduce, info, plane, report, compare, overshoot, audit)
+COMMANDS = (run, configs, reproduce, info, watch, plane, report, compare, overshoot, audit)
 
 
 def build_parser() -> argparse.ArgumentParser:

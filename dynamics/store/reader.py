@@ -13,7 +13,7 @@ import dataclasses
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -221,6 +221,25 @@ class StoredState:
     buffers: dict[str, np.ndarray] | None
 
 
+@dataclass(frozen=True)
+class Update:
+    """What :meth:`Run.update` read of a live run in one open.
+
+    Attributes:
+        run_id: the id of the file now at the run's path; another id than the run's own
+            (:attr:`Run.run_id`) means the file was replaced (an overwrite) and must be opened
+            anew.
+        status: as :meth:`Run.status`.
+        events: as :meth:`Run.events`.
+        rows: ``{group: its rows after the step asked for}``.
+    """
+
+    run_id: str | None
+    status: RunStatus
+    events: list[Event]
+    rows: dict[str, Series]
+
+
 class _Declared(NamedTuple):
     """What a series' dataset says about it before any row is read."""
 
@@ -261,6 +280,11 @@ class Run:
     @property
     def name(self) -> str:
         return self.attrs.get(names.ATTR_RUN_NAME) or self.path.stem
+
+    @property
+    def run_id(self) -> str | None:
+        """The id written when the file was created (None in files from before run ids)."""
+        return self.attrs.get(names.ATTR_RUN_ID)
 
     @property
     def model_edits(self) -> list[dict[str, Any]] | None:
@@ -541,17 +565,7 @@ class Run:
             for event in run.events():
                 print(event.step, event.probe, event.kind, event.message)
         """
-        read = _read(self.path, names.EVENTS, lambda file: _event_fields(file, self.path))
-        if read is None:
-            return []
-        steps, fields = read
-        # A killed writer can leave a row's fields without its step, or a step unwritten.
-        rows = min(len(steps), *map(len, fields))
-        return [
-            Event(int(steps[i]), *(_decoded_text(field[i]) for field in fields))
-            for i in range(rows)
-            if steps[i] != UNWRITTEN_STEP
-        ]
+        return _events(_read(self.path, names.EVENTS, lambda file: _event_fields(file, self.path)))
 
     def status(self) -> RunStatus:
         """The run's state, last flushed step and wall time, read anew at each call.
@@ -562,22 +576,42 @@ class Run:
             status.state, status.last_step, status.wall_time_s
         """
         fields = _read(self.path, names.STATUS, lambda file: _status_fields(file, self.path))
-        if fields is None:
-            return RunStatus(names.UNKNOWN)
-        state = fields[names.STATUS_STATE]
-        if state == names.RUNNING and not _writer_alive(
-            self.path, fields[names.STATUS_HOST], fields[names.STATUS_PID]
-        ):
-            state = names.KILLED
-        last_step = fields[names.STATUS_LAST_STEP]
-        return RunStatus(
-            state=state,
-            exception=fields[names.STATUS_EXCEPTION],
-            last_step=None if last_step == UNWRITTEN_STEP else last_step,
-            wall_time_s=fields[names.STATUS_WALL_TIME],
-            started_at=fields[names.STATUS_STARTED],
-            updated_at=fields[names.STATUS_UPDATED],
-        )
+        return _status(self.path, fields)
+
+    def update(self, since: Mapping[str, int | None]) -> Update:
+        """What a live run's file holds now: its id, status and events, and each group's rows
+        after the step ``since`` gives it (every row for None), read in one open.
+
+        This is what a watcher polls (``dynamics watch``): the file is open only while it is
+        read, so a writer is never blocked and an overwrite is never held up.
+
+        Example::
+
+            update = run.update({"loss": None})
+            since = {"loss": int(update.rows["loss"].step[-1])} if len(update.rows["loss"]) else {}
+            run.update(since).rows["loss"]  # only the rows written after
+
+        Raises:
+            KeyError: a group the run does not hold.
+            RunFileError: the file cannot be read (replaced by a file that is not a run, cut).
+        """
+        for group in since:
+            if group not in self.groups:
+                raise KeyError(f"{self.path.name} has no series {group!r}")
+
+        def read(file: h5py.File) -> tuple:
+            run_id = decode_attr(file.attrs.get(names.ATTR_RUN_ID))
+            status = _status_fields(file, self.path)
+            events = _event_fields(file, self.path)
+            rows = {g: _read_rows(file[SERIES][g], after) for g, after in since.items()}
+            return run_id, status, events, rows
+
+        run_id, status, events, rows = _read(self.path, "its new rows", read)
+        series = {}
+        for group, (step, values) in rows.items():
+            columns = {n: d.columns for n, d in self._declared[group].items() if d.columns}
+            series[group] = Series(step, values, columns, self.views(group), group)
+        return Update(run_id, _status(self.path, status), _events(events), series)
 
     def summary(self) -> dict[str, Any]:
         """Series lengths, step ranges, status, events and metadata, as ``dynamics info``
@@ -1071,21 +1105,53 @@ def _status_fields(file: h5py.File, path: Path) -> dict[str, Any] | None:
     }
 
 
+def _status(path: Path, fields: dict[str, Any] | None) -> RunStatus:
+    if fields is None:
+        return RunStatus(names.UNKNOWN)
+    state = fields[names.STATUS_STATE]
+    if state == names.RUNNING and not _writer_alive(
+        path, fields[names.STATUS_HOST], fields[names.STATUS_PID]
+    ):
+        state = names.KILLED
+    last_step = fields[names.STATUS_LAST_STEP]
+    return RunStatus(
+        state=state,
+        exception=fields[names.STATUS_EXCEPTION],
+        last_step=None if last_step == UNWRITTEN_STEP else last_step,
+        wall_time_s=fields[names.STATUS_WALL_TIME],
+        started_at=fields[names.STATUS_STARTED],
+        updated_at=fields[names.STATUS_UPDATED],
+    )
+
+
+def _events(read: tuple[np.ndarray, list[np.ndarray]] | None) -> list[Event]:
+    if read is None:
+        return []
+    steps, fields = read
+    # A killed writer can leave a row's fields without its step, or a step unwritten.
+    rows = min(len(steps), *map(len, fields))
+    return [
+        Event(int(steps[i]), *(_decoded_text(field[i]) for field in fields))
+        for i in range(rows)
+        if steps[i] != UNWRITTEN_STEP
+    ]
+
+
 def _decoded_text(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode(errors="replace")
     return value.item() if hasattr(value, "item") else value
 
 
-def _values(dataset: h5py.Dataset, rows: int) -> np.ndarray:
-    """The first ``rows`` rows; half-precision series as float32, so no analysis computes in
-    half precision."""
+def _values(dataset: h5py.Dataset, rows: int, first: int = 0) -> np.ndarray:
+    """Rows ``first`` to ``rows``; half-precision series as float32, so no analysis computes
+    in half precision."""
     if dataset.attrs.get(names.ATTR_ENCODING) == BFLOAT16:
         # bfloat16 is the upper half of a float32: shifting the bits back up is exact.
-        return (dataset[:rows].astype(np.uint32) << 16).view(np.float32)
+        return (dataset[first:rows].astype(np.uint32) << 16).view(np.float32)
     if dataset.dtype == np.float16:
-        return dataset[:rows].astype(np.float32)
-    return dataset[:rows]
+        return dataset[first:rows].astype(np.float32)
+    return dataset[first:rows]
 
 
 def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
@@ -1113,13 +1179,16 @@ def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
     return _Declared(dataset.shape[1:], None if columns is None else tuple(columns), view)
 
 
-def _read_rows(group: h5py.Group) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """``(step, {series: values})`` of the group's complete rows."""
+def _read_rows(
+    group: h5py.Group, after: int | None = None
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``(step, {series: values})`` of the group's complete rows (those after step ``after``)."""
     step = group[STEP][:]
     datasets = {series_key(name, d): d for name, d in group.items() if name != STEP}
     # Only the complete rows are read: rows declared past them were never written.
     n = _complete_rows(step, [d.shape[0] for d in datasets.values()])
-    return step[:n], {name: _values(d, n) for name, d in datasets.items()}
+    first = 0 if after is None else int(np.searchsorted(step[:n], after, side="right"))
+    return step[first:n], {name: _values(d, n, first) for name, d in datasets.items()}
 
 
 def _step_span(group: h5py.Group) -> tuple[int, int | None, int | None]:
