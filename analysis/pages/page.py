@@ -53,6 +53,8 @@ class Written:
         static_files: PNG/SVG files written next to it (with ``static_dir``).
         static_skipped: why static export was skipped, or None.
         skipped: inputs left out of the page, and why, in one line; or None.
+        running: the runs still being written when the page was made (``dynamics watch``
+            follows them live).
     """
 
     path: Path
@@ -61,6 +63,7 @@ class Written:
     static_files: tuple[Path, ...] = ()
     static_skipped: str | None = None
     skipped: str | None = None
+    running: tuple[Path, ...] = ()
 
 
 def html_page(title: str, body: str) -> str:

@@ -17,6 +17,7 @@ import html
 import json
 import os
 from collections.abc import Sequence
+from shlex import quote
 
 import plotly.graph_objects as go
 
@@ -112,7 +113,8 @@ def write_report(
     title = "dynamics report: " + ", ".join(run.name for run in runs)
     page = html_page(title, header + "".join(sections))
     written = write_page(out, page, figures, static_dir, static_format, overwrite)
-    return dataclasses.replace(written, skipped=skipped)
+    running = tuple(run.path for run in runs if run.status().state == names.RUNNING)
+    return dataclasses.replace(written, skipped=skipped, running=running)
 
 
 def _run_section(
@@ -129,6 +131,13 @@ def _run_section(
         f"<p class='meta'>{html.escape(str(run.path))} · module {html.escape(setup['module'])}"
         f" · init args {html.escape(setup['init args'])}</p>"
     )
+    status = run.status()
+    if status.state == names.RUNNING:
+        parts.append(
+            f"<p class='note'>Still running (step {status.last_step}) when this report was "
+            f"written: follow it live with <code>dynamics watch {html.escape(quote(str(run.path)))}"
+            "</code>.</p>"
+        )
     if missing:
         parts.append(f"<p class='note'>Not recorded: {html.escape(', '.join(missing))}.</p>")
     parts.append("<h3>Overshoot</h3>" + overshoot_html(overshoot))

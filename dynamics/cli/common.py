@@ -8,6 +8,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from shlex import quote
 from typing import TYPE_CHECKING, NoReturn
 
 from dynamics.errors import DynamicsError, ParameterError
@@ -172,6 +173,8 @@ def print_written(written: Written) -> int:
         print(f"dynamics: {written.static_skipped}", file=sys.stderr)
     if written.skipped:
         print(f"dynamics: {written.skipped}", file=sys.stderr)
+    for path in written.running:
+        print(f"live: {path} is still running; follow it with: dynamics watch {quote(str(path))}")
     return 0
 
 
