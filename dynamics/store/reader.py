@@ -1182,7 +1182,12 @@ def _declared(dataset: h5py.Dataset, path: Path, where: str) -> _Declared:
 def _read_rows(
     group: h5py.Group, after: int | None = None
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """``(step, {series: values})`` of the group's complete rows (those after step ``after``)."""
+    """``(step, {series: values})`` of the group's complete rows (those after step ``after``).
+
+    The whole step index is read even for the rows after a step: which rows are complete is a
+    property of the prefix (:func:`_complete_rows`), and eight bytes a row is cheap beside the
+    values, of which only the rows asked for are read.
+    """
     step = group[STEP][:]
     datasets = {series_key(name, d): d for name, d in group.items() if name != STEP}
     # Only the complete rows are read: rows declared past them were never written.
