@@ -1,0 +1,189 @@
+"""A new user's campaign of ``dynamics watch`` (issue 26) on run files the feature was not
+designed around: the output folder of ``dynamics run --seeds``, a plain loop resumed from a
+checkpoint into the same file, a watched folder or file deleted, and the page in a browser.
+
+Each test drives what the page polls (the :class:`Feed`, or the server over HTTP) and compares
+what it is sent with what the file holds (``open_run(path).series(group)``).
+"""
+
+import json
+import shutil
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dynamics
+from dynamics.analysis.live.feed import Feed
+from dynamics.analysis.live.server import WatchServer
+from dynamics.callbacks import HiddenStateNorms, TrainingLoss
+from dynamics.experiments.seed_runs import run_path
+from dynamics.store import RunWriter, SeriesSpec, open_run
+
+SPECS = {"loss": {"train": SeriesSpec()}}
+
+
+def write_run(path: Path, steps: range, value: float = 1.0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = RunWriter.create(path, SPECS, {}, {"config": {}}, block_rows=4)
+    for step in steps:
+        writer.append("loss", step, {"train": value / (step + 1)})
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def serve():
+    """``serve(target)``: a watch server on any free port, stopped after the test."""
+    servers = []
+
+    def start(target: Path) -> WatchServer:
+        server = WatchServer(target, "127.0.0.1", 0)
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+        thread.start()
+        servers.append((server, thread))
+        return server
+
+    yield start
+    for server, thread in servers:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def post(url: str, since: dict) -> dict:
+    request = urllib.request.Request(url + "api/update", json.dumps(since).encode())
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def test_the_out_folder_of_a_seeded_dynamics_run_is_watched_run_by_run(tmp_path):
+    # `dynamics run CONFIG --out OUT --seeds 0-1` writes OUT/<variant>/seed<k>.h5 and
+    # OUT/summary.json; `dynamics watch OUT` (the folder the user named) found no run in it
+    # and served an empty page with no word of why.
+    paths = [
+        write_run(run_path(tmp_path, variant, seed), range(5), value=1.0 + seed)
+        for variant in ("shifted", "unshifted")
+        for seed in (0, 1)
+    ]
+    (tmp_path / "summary.json").write_text("{}")
+    feed = Feed(tmp_path)
+    drawn = feed.figures()
+    update = feed.update({})
+    assert sorted(r["path"] for r in update["runs"]) == sorted(map(str, paths))
+    labels = {r["label"] for r in update["runs"]}
+    assert len(labels) == 4  # seed0.h5 is in both variants' folders: the labels must differ
+    traces = [t for f in drawn["figures"] for t in f["figure"]["data"]]
+    assert {t["meta"]["run"] for t in traces} == labels
+
+
+def _loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _fit(path, model, optimizer, steps, batches, state=None, crash_after=None, saved=None):
+    """A plain loop recorded into ``path`` (resumed from ``state``) that crashes after step
+    ``crash_after``; ``saved`` gets the model's, optimizer's and recorder's state after step 4,
+    as a checkpoint there keeps them."""
+    rec = dynamics.record(
+        path,
+        model,
+        optimizer,
+        loss_fn=_loss,
+        probes=[TrainingLoss(), HiddenStateNorms()],
+        overwrite=state is None,
+    )
+    if state is not None:
+        rec.load_state_dict(state)
+    with rec:
+        for step in steps:
+            with rec.batch(batches[step]) as b:
+                loss = _loss(model, batches[step])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                b.loss(loss)
+            if step == 4:
+                model_state = {k: v.clone() for k, v in model.state_dict().items()}
+                saved.extend((model_state, optimizer.state_dict(), rec.state_dict()))
+            if step == crash_after:
+                raise RuntimeError("the machine went down")
+
+
+def test_a_run_resumed_from_a_checkpoint_is_redrawn_with_the_rows_it_rewrote(tmp_path):
+    # A fit checkpointed at step 4 went on to step 9 and crashed; the user resumed it from the
+    # checkpoint with another learning rate. The resume drops the file's rows after step 4 and
+    # records steps 5 to 9 anew, in the same file under the same run id, so the watcher's key
+    # never changed and a page that had drawn the first fit's steps 5 to 9 kept them.
+    path = tmp_path / "plain.h5"
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=generator), torch.randn(8, 1)) for _ in range(12)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    saved = []
+    with pytest.raises(RuntimeError, match="went down"):
+        _fit(path, model, optimizer, range(12), batches, crash_after=9, saved=saved)
+    model_state, optimizer_state, state = saved
+    feed = Feed(path)
+    drawn = feed.figures()
+    assert drawn["since"][""]["groups"]["loss"] == 9
+
+    model.load_state_dict(model_state)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # the resume changes the rate
+    optimizer.load_state_dict(optimizer_state)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.5
+    _fit(path, model, optimizer, range(5, 12), batches, state=state)
+
+    update = feed.update(drawn["since"])
+    resumed = open_run(path).series("loss")
+    if update["key"] == drawn["key"]:  # the page extends its traces: it must be sent steps 5..
+        sent = update["rows"][""]["loss"]
+        assert sent["step"] == resumed.step[5:].tolist()
+        np.testing.assert_allclose(np.ravel(sent["series"]["train"]), resumed["train"][5:])
+    else:  # the page draws its figures anew from the resumed file
+        redrawn = feed.figures()
+        assert redrawn["since"][""]["groups"]["loss"] == int(resumed.step[-1])
+
+
+def test_a_watched_folder_that_is_deleted_says_so(tmp_path, serve):
+    folder = tmp_path / "runs"
+    write_run(folder / "a.h5", range(3))
+    server = serve(folder)
+    assert post(server.url, {})["runs"]  # followed
+    shutil.rmtree(folder)
+    update = post(server.url, {})  # was: no runs and no error, as if the folder were empty
+    assert "no such file or directory" in update.get("error", "")
+    assert str(folder) in update["error"]
+
+
+def test_a_watched_file_that_is_deleted_reads_as_missing_not_as_corrupted(tmp_path):
+    path = write_run(tmp_path / "run.h5", range(3))
+    feed = Feed(path)
+    since = feed.figures()["since"]
+    path.unlink()
+    (run,) = feed.update(since)["runs"]
+    assert "no such file" in run["problem"].lower()
+    assert "corrupted" not in run["problem"]  # was: "not a readable run file (truncated or
+    # corrupted?): [Errno 2] No such file or directory"
+
+
+def test_the_page_names_an_icon_so_a_browser_logs_no_404(tmp_path, serve):
+    # Chromium asks for /favicon.ico; the watcher's 404 showed as a console error
+    # ("Failed to load resource: ... 404") on the page the issue wants free of them.
+    server = serve(write_run(tmp_path / "run.h5", range(3)))
+    with urllib.request.urlopen(server.url, timeout=10) as reply:
+        page = reply.read().decode()
+    if "rel='icon'" in page or 'rel="icon"' in page:
+        return  # the page names its own icon: the browser asks for no /favicon.ico
+    try:
+        with urllib.request.urlopen(server.url + "favicon.ico", timeout=10) as reply:
+            assert reply.status < 300
+    except urllib.error.HTTPError as error:
+        pytest.fail(f"/favicon.ico answers {error.code} and the page names no icon")
