@@ -7,12 +7,14 @@ what it is sent with what the file holds (``open_run(path).series(group)``).
 """
 
 import json
+import os
 import shutil
 import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ from dynamics.analysis.live.feed import Feed
 from dynamics.analysis.live.server import WatchServer
 from dynamics.callbacks import HiddenStateNorms, TrainingLoss
 from dynamics.experiments.seed_runs import run_path
-from dynamics.store import RunWriter, SeriesSpec, open_run
+from dynamics.store import RunWriter, SeriesSpec, names, open_run
 
 SPECS = {"loss": {"train": SeriesSpec()}}
 
@@ -187,3 +189,32 @@ def test_the_page_names_an_icon_so_a_browser_logs_no_404(tmp_path, serve):
             assert reply.status < 300
     except urllib.error.HTTPError as error:
         pytest.fail(f"/favicon.ico answers {error.code} and the page names no icon")
+
+
+def test_a_file_from_before_run_ids_replaced_by_another_is_redrawn(tmp_path):
+    # Files written before run ids have none: an overwrite of one by another (both None) kept
+    # the watcher's key, and the page kept the old run's steps 4 to 9 beside the new run's.
+    path = write_run(tmp_path / "old.h5", range(10))
+    with h5py.File(path, "r+") as file:
+        del file.attrs[names.ATTR_RUN_ID]
+    feed = Feed(path)
+    drawn = feed.figures()
+    replacement = write_run(tmp_path / "new.h5", range(4), value=5.0)
+    with h5py.File(replacement, "r+") as file:
+        del file.attrs[names.ATTR_RUN_ID]
+    os.replace(replacement, path)  # as an overwrite renames its new file over the old one
+    assert feed.update(drawn["since"])["key"] != drawn["key"]
+
+
+def test_the_poll_that_sees_an_overwrite_reports_the_new_runs_status(tmp_path):
+    # It sent the run with no state and no problem, which the page shows as "waiting", last
+    # step "—", for a run that is running (or finished) at the path.
+    path = write_run(tmp_path / "run.h5", range(10))
+    feed = Feed(path)
+    drawn = feed.figures()
+    writer = RunWriter.create(path, SPECS, {}, {"config": {}}, overwrite=True, block_rows=4)
+    writer.append("loss", 0, {"train": 1.0})
+    writer.flush()
+    (run,) = feed.update(drawn["since"])["runs"]
+    writer.close()
+    assert (run.get("state"), run.get("last_step")) == ("running", 0)
