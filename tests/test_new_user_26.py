@@ -218,3 +218,23 @@ def test_the_poll_that_sees_an_overwrite_reports_the_new_runs_status(tmp_path):
     (run,) = feed.update(drawn["since"])["runs"]
     writer.close()
     assert (run.get("state"), run.get("last_step")) == ("running", 0)
+
+
+def test_a_poll_reads_no_finished_run_whose_file_did_not_change(tmp_path, monkeypatch):
+    # Each poll opened and inspected every file of a folder (twice: once to tell a plane grid
+    # from a run), finished or not: a folder of a few dozen finished runs kept the watcher
+    # busy for about its whole polling period, on the cores the training shares.
+    for name in ("a", "b", "c"):
+        write_run(tmp_path / f"{name}.h5", range(5))
+    feed = Feed(tmp_path)
+    since = feed.figures()["since"]
+    update = feed.update(since)
+    for run in update["runs"]:
+        since[run["label"]]["events"] = run["events_seen"]
+    opened = []
+    real = h5py.File
+    monkeypatch.setattr(h5py, "File", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    again = feed.update(since)
+    assert [r["state"] for r in again["runs"]] == ["finished"] * 3
+    assert not any(again["rows"].values())  # no new rows
+    assert opened == []
