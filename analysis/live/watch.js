@@ -14,10 +14,17 @@
     i1: Int8Array, u1: Uint8Array, i2: Int16Array, u2: Uint16Array,
     i4: Int32Array, u4: Uint32Array, f4: Float32Array, f8: Float64Array,
   };
+  // The page has no icon: without one named in its head, a browser asks the watcher for
+  // /favicon.ico and logs the 404 as an error.
+  const icon = document.createElement("link");
+  icon.rel = "icon";
+  icon.href = "data:,";
+  document.head.appendChild(icon);
+
   let key = null;
   let since = {};
   let redraw = true;
-  const arrivals = {}; // label -> [[time, rows], ...] over the rate window
+  const arrivals = {}; // label -> [[time, steps recorded], ...] over the rate window
   const events = {}; // label -> events shown
 
   // plotly's JSON keeps arrays as base64 of their bytes; a trace extended in place must hold
@@ -65,7 +72,7 @@
       if (div === null) {
         div = document.createElement("div");
         div.id = `figure-${group}`;
-        div.className = "figure";
+        div.className = "figure plotly-graph-div"; // the class plotly gives its own divs
         div.dataset.group = group;
         container.appendChild(div);
       }
@@ -163,9 +170,10 @@
     if (update.key !== key) redraw = true;
     const now = Date.now();
     for (const [label, groups] of Object.entries(update.rows)) {
+      // A run's rate is of its rows (steps recorded), not of its groups' rows added up.
       let count = 0;
       for (const [group, rows] of Object.entries(groups)) {
-        count += rows.step.length;
+        count = Math.max(count, rows.step.length);
         if (redraw) continue; // the figures are drawn anew with these rows in them
         if (!extend(label, group, rows)) {
           redraw = true;
