@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dynamics.analysis.figures.lines import DISPLAY_BUDGET
 from dynamics.store import RunFileError, open_run
 from tests.devtools import NEEDS_CHROMIUM, DevTools
 
@@ -71,9 +72,9 @@ TRAINING = textwrap.dedent(
 )
 
 #: A writer driven by its stdin: ``create PATH`` (a new run, replacing any file there; the run
-#: written before is finished), ``rows N`` (N more rows of loss, norms and a spectrum drawn as a heatmap, flushed), ``crash`` (the
-#: run closed as crashed), ``event MESSAGE`` (a probe disabled at the last step). It answers
-#: ``done`` to each.
+#: written before is finished), ``rows N`` (N more rows of a loss, two norms and a spectrum
+#: drawn as a heatmap, flushed), ``crash`` (the run closed as crashed), ``event MESSAGE`` (a
+#: probe disabled at the last step). It answers ``done`` to each.
 WRITER = textwrap.dedent(
     """
     import sys
@@ -98,7 +99,8 @@ WRITER = textwrap.dedent(
             for _ in range(int(argument)):
                 writer.append("loss", step, {"train": 1.0 / (1 + step)})
                 writer.append("hidden_norms", step, {"norm": np.array([1.0, 2.0]) * (1 + step)})
-                writer.append("spectrum", step, {"eigenvalues": np.array([1, 10, 100]) * (1 + step)})
+                eigenvalues = np.array([1, 10, 100]) * (1 + step)
+                writer.append("spectrum", step, {"eigenvalues": eigenvalues})
                 step += 1
             writer.flush()
         elif command == "event":
@@ -119,12 +121,14 @@ RUNS = """JSON.stringify([...document.querySelectorAll('#runs tbody tr')].map(r 
   const [run, status, last_step, rate, flushed, note] = [...r.children].map(c => c.textContent);
   return {run, status, last_step, rate, flushed, note, state: r.dataset.state};
 }))"""
-#: The traces drawn: {group, run, series, points, z_rows, z_last} of each; z_rows: the lengths
+#: The traces drawn: {group, axis_end, run, series, points, last, z_rows, z_last} of each;
+#: axis_end: where its x axis ends as drawn, last: the last step it holds, z_rows: the lengths
 #: of a heatmap's rows, each of which must have a cell per point, z_last: their last cells
 #: (both null for a line).
 TRACES = """JSON.stringify([...document.querySelectorAll('.plotly-graph-div')].flatMap(d =>
-  (d.data || []).map(t => ({group: d.dataset.group, run: (t.meta || {}).run,
-    series: (t.meta || {}).series, points: t.x ? t.x.length : 0,
+  (d._fullData || []).map(f => [f, d.data[f.index]]).map(([f, t]) => ({group: d.dataset.group,
+    axis_end: d._fullLayout['xaxis' + f.xaxis.slice(1)].range[1], run: (t.meta || {}).run,
+    series: (t.meta || {}).series, points: t.x ? t.x.length : 0, last: t.x && t.x[t.x.length - 1],
     z_rows: t.z ? t.z.map(row => row.length) : null,
     z_last: t.z ? t.z.map(row => row[row.length - 1]) : null}))))"""
 EVENTS = "[...document.querySelectorAll('#events li')].map(li => li.textContent)"
@@ -239,14 +243,17 @@ def test_a_training_run_is_followed_until_it_is_killed(devtools, watcher, tmp_pa
         session = devtools.open(url)
         first = until(lambda: points(devtools, session), lambda n: n > 0)
         assert first > 0
-        later = until(lambda: points(devtools, session), lambda n: n > first + 20)
-        assert later > first + 20
-        shown = runs(devtools, session)
+        # A second read once the page has polled enough to know the run's rate.
+        shown = until(lambda: runs(devtools, session), lambda r: r and r[0]["rate"] != "—")
+        later = points(devtools, session)
+        assert later > first
         assert [r["status"] for r in shown] == ["running"]
-        assert float(shown[0]["rate"]) > 0 and int(shown[0]["last_step"]) > 0
+        assert int(shown[0]["last_step"]) > 0
+        # Rows a second of the run (steps), not of its groups added up; under 20 with the sleep.
+        assert 0 < float(shown[0]["rate"]) <= 20
         drawn = traces(devtools, session)
         assert {t["group"] for t in drawn} >= {"loss", "hidden_norms", "displacement"}
-        assert all(t["points"] > 0 for t in drawn), drawn
+        assert all(t["points"] > 0 and t["axis_end"] >= t["last"] for t in drawn), drawn
         os.kill(fit.pid, signal.SIGKILL)
         fit.wait()
         shown = until(lambda: runs(devtools, session), lambda r: r[0]["status"] == "killed")
@@ -293,6 +300,12 @@ def test_an_overwritten_file_is_drawn_anew(devtools, watcher, writer, tmp_path):
     assert 0 < after < before
     writer("rows 5")
     assert until(lambda: points(devtools, session), lambda n: n == 2 * after) == 2 * after
+    # Rows past twice the display budget: the traces are thinned anew, to the last step.
+    writer(f"rows {2 * DISPLAY_BUDGET + 100}")
+    last = 10 + 2 * DISPLAY_BUDGET + 100 - 1
+    drawn = until(lambda: traces(devtools, session), lambda t: all(x["last"] == last for x in t))
+    assert all(x["last"] == last and x["points"] <= 2 * DISPLAY_BUDGET for x in drawn), drawn
+    assert all(x["axis_end"] >= last for x in drawn), drawn
     clean(devtools, session, url)
 
 

@@ -77,6 +77,9 @@
         container.appendChild(div);
       }
       const { data, layout } = plain(figure);
+      // A zoom or a hidden trace outlives a redraw of the same runs (plotly keeps what the
+      // user changed while uirevision stays), not the arrival of other runs.
+      layout.uirevision = `${drawn.key} ${group}`;
       await Plotly.react(div, data, layout, CONFIG);
     }
     document.getElementById("empty").hidden = drawn.figures.length > 0;
@@ -107,7 +110,7 @@
       const y = values.map((v) => v[meta.column]);
       return { ...trace, x: trace.x.concat(rows.step), y: trace.y.concat(y) };
     });
-    if (data.some((t) => t.x.length > 2 * BUDGET)) redraw = true;
+    if (data.some((t) => (t.x || []).length > 2 * BUDGET)) redraw = true;
     Plotly.react(div, data, div.layout, CONFIG);
     return true;
   }
@@ -129,18 +132,25 @@
         for (let i = 0; i < 6; i++) row.appendChild(document.createElement("td"));
         body.appendChild(row);
       }
-      const seen = (arrivals[run.label] || []).filter(([t]) => now - t <= RATE_WINDOW_MS);
-      const rows = seen.reduce((n, [, count]) => n + count, 0);
-      const span = seen.length ? Math.max(now - seen[0][0], EVERY_MS) : RATE_WINDOW_MS;
       const state = run.problem && !run.state ? "unreadable" : run.state || "waiting";
       row.dataset.state = state;
       row.className = state;
       const updated = run.updated_at ? `${Math.max(0, now / 1000 - run.updated_at).toFixed(0)} s ago` : "—";
       const note = [run.exception, run.problem].filter(Boolean).join(" · ");
-      const cells = [run.name, state, run.last_step ?? "—", (1000 * rows / span).toFixed(1), updated, note];
+      const cells = [run.name, state, run.last_step ?? "—", rate(run.label), updated, note];
       cells.forEach((text, i) => (row.children[i].textContent = String(text)));
       if (run.events) showEvents(run);
     }
+  }
+
+  // Rows a second over the rate window: the rows of the polls after its first, over the time
+  // since that one. The first poll's rows are left out, as the time they took to come is not
+  // known (the page's load, a redraw); "—" until two polls are in the window.
+  function rate(label) {
+    const seen = arrivals[label] || [];
+    if (seen.length < 2) return "—";
+    const rows = seen.slice(1).reduce((n, [, count]) => n + count, 0);
+    return ((1000 * rows) / (seen[seen.length - 1][0] - seen[0][0])).toFixed(1);
   }
 
   function showEvents(run) {
