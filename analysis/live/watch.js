@@ -14,10 +14,17 @@
     i1: Int8Array, u1: Uint8Array, i2: Int16Array, u2: Uint16Array,
     i4: Int32Array, u4: Uint32Array, f4: Float32Array, f8: Float64Array,
   };
+  // The page has no icon: without one named in its head, a browser asks the watcher for
+  // /favicon.ico and logs the 404 as an error.
+  const icon = document.createElement("link");
+  icon.rel = "icon";
+  icon.href = "data:,";
+  document.head.appendChild(icon);
+
   let key = null;
   let since = {};
   let redraw = true;
-  const arrivals = {}; // label -> [[time, rows], ...] over the rate window
+  const arrivals = {}; // label -> [[time, steps recorded], ...] over the rate window
   const events = {}; // label -> events shown
 
   // plotly's JSON keeps arrays as base64 of their bytes; a trace extended in place must hold
@@ -65,11 +72,14 @@
       if (div === null) {
         div = document.createElement("div");
         div.id = `figure-${group}`;
-        div.className = "figure";
+        div.className = "figure plotly-graph-div"; // the class plotly gives its own divs
         div.dataset.group = group;
         container.appendChild(div);
       }
       const { data, layout } = plain(figure);
+      // A zoom or a hidden trace outlives a redraw of the same runs (plotly keeps what the
+      // user changed while uirevision stays), not the arrival of other runs.
+      layout.uirevision = `${drawn.key} ${group}`;
       await Plotly.react(div, data, layout, CONFIG);
     }
     document.getElementById("empty").hidden = drawn.figures.length > 0;
@@ -100,7 +110,7 @@
       const y = values.map((v) => v[meta.column]);
       return { ...trace, x: trace.x.concat(rows.step), y: trace.y.concat(y) };
     });
-    if (data.some((t) => t.x.length > 2 * BUDGET)) redraw = true;
+    if (data.some((t) => (t.x || []).length > 2 * BUDGET)) redraw = true;
     Plotly.react(div, data, div.layout, CONFIG);
     return true;
   }
@@ -122,18 +132,25 @@
         for (let i = 0; i < 6; i++) row.appendChild(document.createElement("td"));
         body.appendChild(row);
       }
-      const seen = (arrivals[run.label] || []).filter(([t]) => now - t <= RATE_WINDOW_MS);
-      const rows = seen.reduce((n, [, count]) => n + count, 0);
-      const span = seen.length ? Math.max(now - seen[0][0], EVERY_MS) : RATE_WINDOW_MS;
       const state = run.problem && !run.state ? "unreadable" : run.state || "waiting";
       row.dataset.state = state;
       row.className = state;
       const updated = run.updated_at ? `${Math.max(0, now / 1000 - run.updated_at).toFixed(0)} s ago` : "—";
       const note = [run.exception, run.problem].filter(Boolean).join(" · ");
-      const cells = [run.name, state, run.last_step ?? "—", (1000 * rows / span).toFixed(1), updated, note];
+      const cells = [run.name, state, run.last_step ?? "—", rate(run.label), updated, note];
       cells.forEach((text, i) => (row.children[i].textContent = String(text)));
       if (run.events) showEvents(run);
     }
+  }
+
+  // Rows a second over the rate window: the rows of the polls after its first, over the time
+  // since that one. The first poll's rows are left out, as the time they took to come is not
+  // known (the page's load, a redraw); "—" until two polls are in the window.
+  function rate(label) {
+    const seen = arrivals[label] || [];
+    if (seen.length < 2) return "—";
+    const rows = seen.slice(1).reduce((n, [, count]) => n + count, 0);
+    return ((1000 * rows) / (seen[seen.length - 1][0] - seen[0][0])).toFixed(1);
   }
 
   function showEvents(run) {
@@ -163,9 +180,10 @@
     if (update.key !== key) redraw = true;
     const now = Date.now();
     for (const [label, groups] of Object.entries(update.rows)) {
+      // A run's rate is of its rows (steps recorded), not of its groups' rows added up.
       let count = 0;
       for (const [group, rows] of Object.entries(groups)) {
-        count += rows.step.length;
+        count = Math.max(count, rows.step.length);
         if (redraw) continue; // the figures are drawn anew with these rows in them
         if (!extend(label, group, rows)) {
           redraw = true;
