@@ -12,10 +12,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -61,6 +63,52 @@ def test_update_reads_only_the_rows_after_each_groups_step(tmp_path):
     assert [(e.step, e.kind) for e in later.events] == [(6, "disabled")]
     with pytest.raises(KeyError):
         run.update({"nope": None})
+
+
+def test_polls_inspect_a_growing_file_whole_once_and_read_a_quiet_one_no_more(
+    tmp_path, monkeypatch
+):
+    import dynamics.store.inspection as inspection
+
+    whole = []
+    inspect = inspection.inspect_file
+    monkeypatch.setattr(inspection, "inspect_file", lambda f, p: whole.append(p) or inspect(f, p))
+    path = tmp_path / "run.h5"
+    writer = create(path)
+    write_rows(writer, range(3))
+    run = open_run(path)
+    run.update({"loss": None})
+    write_rows(writer, range(3, 5))
+    grown = run.update({"loss": 2})
+    np.testing.assert_array_equal(grown.rows["loss"].step, [3, 4])
+    assert whole == [path]  # the growth was checked, not the whole file again
+    writer.close()
+    quiet = time.time() - 10  # finished a while ago: its stat tells whether it changed
+    os.utime(path, (quiet, quiet))
+    closed = run.update({"loss": 4})
+    assert closed.status.state == "finished" and len(closed.rows["loss"]) == 0
+    monkeypatch.setattr(h5py, "File", None)  # an unchanged, quiet file is not opened at all
+    again = run.update({"loss": 4})
+    assert again.status.state == "finished" and len(again.rows["loss"]) == 0
+    assert again.rows["loss"]["train"].shape == (0,)
+
+
+def test_a_quiet_file_written_again_is_read_again(tmp_path):
+    path = tmp_path / "run.h5"
+    writer = create(path)
+    write_rows(writer, range(3))
+    quiet = time.time() - 10
+    os.utime(path, (quiet, quiet))
+    run = open_run(path)
+    assert len(run.update({"loss": 2}).rows["loss"]) == 0  # remembered: quiet and unchanged
+    write_rows(writer, range(3, 6))  # the writer wakes up: a new modification time
+    np.testing.assert_array_equal(run.update({"loss": 2}).rows["loss"].step, [3, 4, 5])
+    assert len(run.update({"loss": 1}).rows["loss"]) == 4  # asking for more reads again
+    writer.close()
+    replacement = create(path, overwrite=True)
+    write_rows(replacement, range(2))
+    replacement.close()
+    assert run.update({"loss": None}).run_id != run.run_id  # another file, read whole
 
 
 def test_the_feed_draws_each_viewed_group_with_traces_naming_what_they_draw(tmp_path):

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,10 @@ class _Followed:
     path: Path
     run: Run | None = None  # None until the file could be opened once
     problem: str | None = None  # why the last read failed, or None
+    # The file's (device, inode) when last opened: a resume keeps the run id but rewrites the
+    # file under a new name (rows after its checkpoint dropped), as an overwrite of a file from
+    # before run ids does; either renames another file over the path.
+    file_id: tuple[int, int] | None = None
 
 
 class Feed:
@@ -67,8 +72,10 @@ class Feed:
         self.folder = self.target.is_dir()
         self._lock = threading.Lock()  # a threaded server polls from several requests at once
         self._followed: dict[Path, _Followed] = {}
+        self._kinds: dict[Path, tuple[tuple[int, ...] | None, bool]] = {}
         if not self.folder:
-            self._followed[self.target] = _Followed(self.target, open_run(self.target))
+            run = open_run(self.target)
+            self._followed[self.target] = _Followed(self.target, run, file_id=_file_id(run.path))
 
     def figures(self) -> dict[str, Any]:
         """Every figure of the runs now, with the last step each drew of each group.
@@ -78,6 +85,7 @@ class Feed:
             {group: last step drawn}, "events": 0}}}``; a figure is plotly's JSON of it.
         """
         with self._lock:
+            self._check_folder()
             self._discover()
             runs = {}
             for followed in self._followed.values():
@@ -115,6 +123,7 @@ class Feed:
             as null.
         """
         with self._lock:
+            self._check_folder()
             self._discover()
             labels = self._labels()
             rows, updates = {}, {}
@@ -137,24 +146,36 @@ class Feed:
 
     # --- following files ---
 
+    def _check_folder(self) -> None:
+        """A watched folder deleted says so (a lone file deleted is its run's problem)."""
+        if self.folder and not self.target.is_dir():
+            raise DynamicsError(f"{self.target}: no such file or directory")
+
     def _discover(self) -> None:
         """Follow the run files now in the folder; files gone from it are dropped."""
         if not self.folder:
             return
-        present = [
-            p
-            for p in sorted(self.target.glob("*.h5"))
-            if p.is_file() and not other_output(p)  # a plane grid beside the runs is no run
-        ]
+        # `dynamics run --seeds` writes OUT/<variant>/seed<k>.h5: the runs one folder down are
+        # the folder's too.
+        found = [*self.target.glob("*.h5"), *self.target.glob("*/*.h5")]
+        present = [p for p in sorted(found) if p.is_file() and not self._other_output(p)]
         for path in present:
             self._followed.setdefault(path, _Followed(path))
         for path in [p for p in self._followed if p not in present]:
             del self._followed[path]
 
+    def _other_output(self, path: Path) -> bool:
+        """Whether ``path`` is a plane grid or other output beside the runs, by its stat."""
+        signature = _signature(path)
+        if signature is None or self._kinds.get(path, (None,))[0] != signature:
+            self._kinds[path] = (signature, other_output(path))
+        return self._kinds[path][1]
+
     def _reopen(self, followed: _Followed) -> None:
         """Open the file anew (its rows read fresh); a failure keeps the last run with why."""
         try:
             followed.run = open_run(followed.path)
+            followed.file_id = _file_id(followed.path)
             followed.problem = None
         except RunFileError as error:
             followed.problem = str(error)
@@ -171,9 +192,10 @@ class Feed:
         except RunFileError as error:
             followed.problem = str(error)  # being replaced, or replaced by no run
             return None
-        if update.run_id != run.run_id:  # another run at the path: an overwrite
-            self._reopen(followed)
-            return None  # the key changed: the page draws the new run's figures
+        if update.run_id != run.run_id or _file_id(followed.path) != followed.file_id:
+            self._reopen(followed)  # another file at the path: an overwrite, or a resume
+            # The key changed: the page draws the new file's figures; its status shows now.
+            return dataclasses.replace(update, events=[], rows={})
         followed.problem = None
         return update
 
@@ -182,12 +204,17 @@ class Feed:
         (unique there), "" for a lone file (its figures need no legend of runs)."""
         if not self.folder:
             return {path: "" for path in self._followed}
-        return {path: path.stem for path in self._followed}
+        return {
+            path: path.relative_to(self.target).with_suffix("").as_posix()
+            for path in self._followed
+        }
 
     def _key(self) -> str:
         """What a page's figures depend on: which runs, by path and id. A page whose figures
         were drawn under another key draws them anew (a run joined, or was overwritten)."""
-        runs = [(str(p), f.run.run_id) for p, f in sorted(self._followed.items()) if f.run]
+        runs = [
+            (str(p), f.run.run_id, f.file_id) for p, f in sorted(self._followed.items()) if f.run
+        ]
         return hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16]
 
     def _states(self, labels: dict[Path, str], updates: dict[Path, Any]) -> list[dict[str, Any]]:
@@ -208,6 +235,23 @@ class Feed:
                 state["events_left_out"] = max(0, len(new) - EVENTS_PER_UPDATE)
             states.append(state)
         return states
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _signature(path: Path) -> tuple[int, ...] | None:
+    """What tells a file changed: its device, inode, size and modification time."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def _asked(seen: Any) -> tuple[dict[str, int], int]:

@@ -83,6 +83,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(self.server.page, "text/html; charset=utf-8")
         elif self.path == "/api/figures":
             self._json(self.server.feed.figures)
+        elif self.path == "/favicon.ico":
+            # A browser asks for it; a 404 would show as an error in the page's console.
+            self.send_response(HTTPStatus.NO_CONTENT)
+            self.end_headers()
         else:
             self.send_error(HTTPStatus.NOT_FOUND)
 

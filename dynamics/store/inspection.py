@@ -25,6 +25,8 @@ So everything a reader may read takes at most the file's size plus :data:`MAX_UN
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,60 @@ def inspect_file(file: h5py.File, path: Path) -> None:
         )
 
 
+class Inspected:
+    """Which file at a path a poller last inspected whole, so that its next polls inspect only
+    what grows.
+
+    A live run polled every second (``dynamics watch``) is the same file at each poll, grown by
+    its writer: rows appended to its series and events. Inspecting it whole at every poll is
+    most of a poll's cost, so a file is inspected whole once per identity (the open file's
+    device and inode, its run id and the set of its links: an overwrite, a resume or a new
+    object changes it) and afterwards only the datasets a poll reads are checked again, for
+    what growth can change (how many bytes they declare beyond what they store).
+
+    Example::
+
+        inspected = Inspected()
+        with h5py.File(path, "r") as file:
+            inspected.check(file, path, ["series/loss", "events"])
+    """
+
+    def __init__(self) -> None:
+        self.identity: tuple | None = None
+
+    def check(self, file: h5py.File, path: Path, growing: Iterable[str]) -> None:
+        """Inspect ``file`` whole if it is not the file inspected last, else the datasets of
+        the groups ``growing``.
+
+        Raises:
+            RunFileError: as :func:`inspect_file`, in one line.
+        """
+        identity = _identity(file, path)
+        if identity != self.identity:
+            inspect_file(file, path)
+            self.identity = identity
+            return
+        unwritten = 0
+        for group in growing:
+            for name, item in file[group].items():
+                if isinstance(item, h5py.Dataset):
+                    unwritten += _unwritten_bytes(item, f"{group}/{name}", path)
+        if unwritten > MAX_UNWRITTEN_BYTES:
+            raise RunFileError(
+                f"{path}: declares {unwritten / 2**20:.0f} MiB more than it stores, beyond what "
+                f"a killed writer leaves ({MAX_UNWRITTEN_BYTES >> 20} MiB): damaged or crafted"
+            )
+
+
+def _identity(file: h5py.File, path: Path) -> tuple:
+    """The open file's device and inode, its run id and its links (a millisecond's work)."""
+    _check_attr(file, names.ATTR_RUN_ID, "/", path)  # its size known before its value is read
+    links: list[bytes] = []
+    file.id.links.visit(lambda name: links.append(name) if len(links) <= MAX_LINKS else True)
+    opened = os.fstat(file.id.get_vfd_handle())
+    return opened.st_dev, opened.st_ino, str(file.attrs.get(names.ATTR_RUN_ID)), tuple(links)
+
+
 def _stored_parameters(file: h5py.File) -> int:
     """The entries of θ0 when its bytes are in the file (0 otherwise): the model's size, known
     from data rather than from the attribute that declares the layout."""
@@ -155,25 +211,31 @@ def _unwritten_bytes(dataset: h5py.Dataset, name: str, path: Path) -> int:
 
 def _check_attrs(item: h5py.HLObject, where: str, path: Path) -> None:
     for key in item.attrs:  # names only: no value is read before its size is known
-        attribute = item.attrs.get_id(key)
-        limit = MAX_TEXT_ATTR_BYTES if key in TEXT_ATTRS else MAX_ATTR_BYTES
-        shape = attribute.shape
-        if shape is None:
-            continue  # an empty dataspace holds nothing
-        if int(np.prod(shape, dtype=np.float64)) > 1:
-            raise RunFileError(
-                f"{path}: {where} attribute {key!r} has shape {shape}, not one value"
-            )
-        if h5py.check_vlen_dtype(attribute.dtype) is None and not _is_vlen_string(attribute):
-            size = attribute.dtype.itemsize
-        else:  # variable-length: its bytes are in the file's heap, one value only
-            value = item.attrs[key]
-            size = len(value) if isinstance(value, (bytes, str)) else limit + 1
-        if size > limit:
-            raise RunFileError(
-                f"{path}: {where} attribute {key!r} holds {size} bytes (at most {limit}): "
-                "damaged or crafted"
-            )
+        _check_attr(item, key, where, path)
+
+
+def _check_attr(item: h5py.HLObject, key: str, where: str, path: Path) -> None:
+    """Refuse an attribute of more than one value, or of more bytes than its kind may hold
+    (nothing to check for an attribute the object lacks)."""
+    if key not in item.attrs:
+        return
+    attribute = item.attrs.get_id(key)
+    limit = MAX_TEXT_ATTR_BYTES if key in TEXT_ATTRS else MAX_ATTR_BYTES
+    shape = attribute.shape
+    if shape is None:
+        return  # an empty dataspace holds nothing
+    if int(np.prod(shape, dtype=np.float64)) > 1:
+        raise RunFileError(f"{path}: {where} attribute {key!r} has shape {shape}, not one value")
+    if h5py.check_vlen_dtype(attribute.dtype) is None and not _is_vlen_string(attribute):
+        size = attribute.dtype.itemsize
+    else:  # variable-length: its bytes are in the file's heap, one value only
+        value = item.attrs[key]
+        size = len(value) if isinstance(value, (bytes, str)) else limit + 1
+    if size > limit:
+        raise RunFileError(
+            f"{path}: {where} attribute {key!r} holds {size} bytes (at most {limit}): "
+            "damaged or crafted"
+        )
 
 
 def _is_vlen_string(attribute: Any) -> bool:

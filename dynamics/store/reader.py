@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 from dynamics.store import frames, names
-from dynamics.store.inspection import allocated, inspect_file
+from dynamics.store.inspection import Inspected, allocated, inspect_file
 from dynamics.store.opening import check_head, open_live
 from dynamics.store.schema import (
     BFLOAT16,
@@ -240,6 +240,27 @@ class Update:
     rows: dict[str, Series]
 
 
+@dataclass(frozen=True)
+class _Polled:
+    """What :meth:`Run.update` read of a quiet file, and the file's signature then."""
+
+    signature: tuple[int, ...]
+    run_id: str | None
+    status: dict[str, Any] | None  # the status fields, for the writer's liveness asked anew
+    events: list[Event]
+    last: dict[str, int | None]  # each group's last complete step (None: no row), as read
+    empty: dict[str, tuple]  # each group's rows, none of them (their dtypes and shapes)
+
+    def covers(self, signature: tuple[int, ...], since: Mapping[str, int | None]) -> bool:
+        """Whether the file is the same and ``since`` already has every row read then."""
+        if signature != self.signature or not set(since) <= set(self.last):
+            return False
+        return all(
+            self.last[g] is None or (since[g] is not None and since[g] >= self.last[g])
+            for g in since
+        )
+
+
 class _Declared(NamedTuple):
     """What a series' dataset says about it before any row is read."""
 
@@ -272,6 +293,8 @@ class Run:
         self._declared = declared
         self._vector_shapes = vectors
         self._series: dict[str, Series] = {}
+        self._inspected = Inspected()  # for update(): a polled file is inspected whole once
+        self._polled: _Polled | None = None  # what update() read last, of a quiet file
 
     @property
     def config(self) -> dict[str, Any]:
@@ -582,8 +605,17 @@ class Run:
         """What a live run's file holds now: its id, status and events, and each group's rows
         after the step ``since`` gives it (every row for None), read in one open.
 
-        This is what a watcher polls (``dynamics watch``): the file is open only while it is
-        read, so a writer is never blocked and an overwrite is never held up.
+        This is what a watcher polls (``dynamics watch``), so a poll is cheap:
+
+        - the file is open only while it is read, so a writer is never blocked and an
+          overwrite is never held up;
+        - the file is inspected whole (:func:`~dynamics.store.inspection.inspect_file`) once per
+          identity; afterwards only what the poll reads is checked again
+          (:class:`~dynamics.store.inspection.Inspected`);
+        - a file unchanged since the last update (same inode, size and modification time, that
+          time at least :data:`QUIET_S` before that update read it) is not read again when
+          ``since`` asks for nothing the last update did not already hold: the answer is no
+          new rows, with the status read then (whether its writer still runs is asked anew).
 
         Example::
 
@@ -599,6 +631,14 @@ class Run:
             if group not in self.groups:
                 raise KeyError(f"{self.path.name} has no series {group!r}")
 
+        signature = _quiet_signature(self.path)  # taken before the read: a later write shows
+        polled = self._polled
+        if polled is not None and signature is not None and polled.covers(signature, since):
+            rows = {g: self._series_of(g, *polled.empty[g]) for g in since}
+            return Update(polled.run_id, _status(self.path, polled.status), polled.events, rows)
+
+        growing = [f"{SERIES}/{g}" for g in since] + [names.EVENTS]
+
         def read(file: h5py.File) -> tuple:
             run_id = decode_attr(file.attrs.get(names.ATTR_RUN_ID))
             status = _status_fields(file, self.path)
@@ -606,12 +646,25 @@ class Run:
             rows = {g: _read_rows(file[SERIES][g], after) for g, after in since.items()}
             return run_id, status, events, rows
 
-        run_id, status, events, rows = _read(self.path, "its new rows", read)
-        series = {}
-        for group, (step, values) in rows.items():
-            columns = {n: d.columns for n, d in self._declared[group].items() if d.columns}
-            series[group] = Series(step, values, columns, self.views(group), group)
-        return Update(run_id, _status(self.path, status), _events(events), series)
+        def inspect(file: h5py.File) -> None:
+            self._inspected.check(file, self.path, [g for g in growing if g in file])
+
+        run_id, status, events, rows = _read(self.path, "its new rows", read, inspect)
+        events = _events(events)
+        series = {group: self._series_of(group, *read) for group, read in rows.items()}
+        self._polled = None
+        if signature is not None:
+            last = {
+                g: int(series[g].step[-1]) if len(series[g]) else after
+                for g, after in since.items()
+            }
+            empty = {g: (r[0][:0], {n: v[:0] for n, v in r[1].items()}) for g, r in rows.items()}
+            self._polled = _Polled(signature, run_id, status, events, last, empty)
+        return Update(run_id, _status(self.path, status), events, series)
+
+    def _series_of(self, group: str, step: np.ndarray, values: dict[str, np.ndarray]) -> Series:
+        columns = {n: d.columns for n, d in self._declared[group].items() if d.columns}
+        return Series(step, values, columns, self.views(group), group)
 
     def summary(self) -> dict[str, Any]:
         """Series lengths, step ranges, status, events and metadata, as ``dynamics info``
@@ -748,6 +801,22 @@ def other_output(path: Path) -> bool:
 
 #: Seconds a file modified this recently is read again when it cannot be read yet.
 LIVE_RETRY_S = 1.0
+#: Seconds since its last modification after which a file's size and modification time tell
+#: for sure whether it changed: a write after a read then gets a later modification time even
+#: on file systems that keep it to the second or two.
+QUIET_S = 2.0
+
+
+def _quiet_signature(path: Path) -> tuple[int, ...] | None:
+    """The file's device, inode, size and modification time, when it has been quiet for
+    :data:`QUIET_S` (None when it changed more recently, or cannot be seen)."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    if time.time() - status.st_mtime < QUIET_S:
+        return None
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 _T = TypeVar("_T")
@@ -771,11 +840,17 @@ def _retrying(path: Path, read: Callable[[], _T]) -> _T:
         time.sleep(0.05)
 
 
-def _read(path: Path, what: str, read: Callable[[h5py.File], _T]) -> _T:
-    """``read(file)`` on the file open for reading, retried while it is live."""
+def _read(
+    path: Path,
+    what: str,
+    read: Callable[[h5py.File], _T],
+    inspect: Callable[[h5py.File], None] | None = None,
+) -> _T:
+    """``read(file)`` on the file open for reading, retried while it is live (``inspect``: as
+    :func:`_reading`)."""
 
     def once() -> _T:
-        with _reading(path, what) as file:
+        with _reading(path, what, inspect) as file:
             return read(file)
 
     return _retrying(path, once)
@@ -804,16 +879,24 @@ def _read_run(path: Path) -> Run:
 
 
 @contextlib.contextmanager
-def _reading(path: Path, what: str) -> Iterator[h5py.File]:
+def _reading(
+    path: Path, what: str, inspect: Callable[[h5py.File], None] | None = None
+) -> Iterator[h5py.File]:
     """The file open for reading and inspected, before any of its data is read (at every open:
-    the file at the path may have been replaced since), any failure of HDF5 or of its layout
-    turned into one line."""
+    the file at the path may have been replaced since; ``inspect`` instead of
+    :func:`~dynamics.store.inspection.inspect_file` for a poller that knows the file), any
+    failure of HDF5 or of its layout turned into one line."""
     try:
         with _open(path) as file:
-            inspect_file(file, path)
+            if inspect is None:
+                inspect_file(file, path)
+            else:
+                inspect(file)
             yield file
     except RunFileError:
         raise
+    except FileNotFoundError:  # deleted (or renamed away) since the run was opened
+        raise RunFileError(f"{path}: no such file (deleted since it was opened?)") from None
     except (
         OSError,
         KeyError,
