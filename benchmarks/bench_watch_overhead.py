@@ -96,7 +96,7 @@ def poll(url: str, every_s: float, stop: threading.Event) -> dict[str, Any]:
             if figures == 1:
                 print("ready", flush=True)  # the fit's clock starts now
         start = time.perf_counter()
-        update = _fetch(url + "api/update", since)
+        update = _fetch(url + f"api/update?key={key}", since)
         latencies.append(1000 * (time.perf_counter() - start))
         redraw = update["key"] != key
         for label, groups in update["rows"].items():

@@ -146,6 +146,18 @@ def test_an_update_sends_new_rows_non_finite_as_null_and_new_events_once(tmp_pat
     writer.close()
 
 
+def test_a_page_holding_another_keys_figures_gets_statuses_but_no_rows(tmp_path):
+    writer = create(tmp_path / "run.h5")
+    write_rows(writer, range(4))
+    feed = Feed(tmp_path / "run.h5")
+    drawn = feed.figures()
+    stale = feed.update({}, key="another page's figures")
+    assert not any(stale["rows"].values()) and stale["runs"][0]["last_step"] == 3
+    fresh = feed.update({}, key=drawn["key"])
+    assert fresh["rows"][""]["loss"]["step"] == [0, 1, 2, 3]
+    writer.close()
+
+
 def test_a_folder_feed_awaits_runs_and_each_new_run_changes_the_key(tmp_path):
     feed = Feed(tmp_path)
     empty = feed.figures()

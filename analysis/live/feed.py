@@ -108,7 +108,7 @@ class Feed:
                 )
             return {"key": self._key(), "figures": figures, "since": since}
 
-    def update(self, since: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def update(self, since: dict[str, dict[str, Any]], key: str | None = None) -> dict[str, Any]:
         """The rows of every run's drawn groups after the steps ``since`` gives, with the runs'
         status and the events after those the page has.
 
@@ -116,6 +116,9 @@ class Feed:
             since: ``{label: {"groups": {group: last step the page has}, "events": how many
                 events it has}}``, as :meth:`figures` starts it; a group not named is sent
                 whole (its first rows: the page draws its figures anew).
+            key: the key of the page's figures; when it is not the feed's, no rows are read
+                (the page draws its figures anew first, and its ``since`` may be another
+                file's).
 
         Returns:
             ``{"key", "runs": [run state], "rows": {label: {group: {"step": [...],
@@ -127,10 +130,13 @@ class Feed:
             self._discover()
             labels = self._labels()
             rows, updates = {}, {}
+            stale = key is not None and key != self._key()
             for path, followed in self._followed.items():
                 label = labels[path]
                 groups, events_seen = _asked(since.get(label))
                 update = self._read_update(followed, groups)
+                if stale and update is not None:
+                    update = dataclasses.replace(update, rows={})
                 if update is None:
                     continue
                 updates[path] = (update, events_seen)

@@ -1,8 +1,9 @@
 """The local web server of ``dynamics watch``: one page, and the two JSON endpoints it polls.
 
 ``GET /`` is the page (plotly.js embedded: it works offline), ``GET /api/figures`` every figure
-of the runs now (drawn once, and again when a run joins or is replaced), ``POST /api/update``
-the rows after the steps the page has (:class:`~dynamics.analysis.live.feed.Feed`). The server
+of the runs now (drawn once, and again when a run joins or is replaced), ``POST
+/api/update?key=K`` the rows after the steps the page has, its body; a page holding the figures
+of another key than ``K`` gets no rows (:class:`~dynamics.analysis.live.feed.Feed`). The server
 binds to the loopback interface unless asked otherwise, and there answers only requests whose
 ``Host`` header names it, so a web page elsewhere cannot read the runs through a DNS name it
 points at this machine (DNS rebinding).
@@ -16,6 +17,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from plotly.utils import PlotlyJSONEncoder
 
@@ -93,9 +95,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         if not self._host_allowed():
             return
-        if self.path != "/api/update":
+        url = urlsplit(self.path)
+        if url.path != "/api/update":
             self.send_error(HTTPStatus.NOT_FOUND)
             return
+        key = parse_qs(url.query).get("key", [None])[0]
         length = int(self.headers.get("Content-Length") or 0)
         try:
             if not 0 <= length <= _MAX_BODY:
@@ -106,7 +110,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as error:
             self.send_error(HTTPStatus.BAD_REQUEST, str(error)[:200])
             return
-        self._json(lambda: self.server.feed.update(since))
+        self._json(lambda: self.server.feed.update(since, key))
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a poll a second would bury the terminal; failures have their own line

@@ -176,7 +176,7 @@
       redraw = false;
       await drawFigures();
     }
-    const update = await fetchJSON("api/update", since);
+    const update = await fetchJSON(`api/update?key=${encodeURIComponent(key)}`, since);
     if (update.key !== key) redraw = true;
     const now = Date.now();
     for (const [label, groups] of Object.entries(update.rows)) {

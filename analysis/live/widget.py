@@ -152,11 +152,11 @@ class Watch:
     def _poll(self) -> None:
         if self._redraw:
             self._draw()
-        update = self.feed.update(self._since)
+        update = self.feed.update(self._since, self._key)
         if update["key"] != self._key or not self._extend(update["rows"]):
             # Drawn anew with every row now; the runs and events are those since that drawing.
             self._draw()
-            update = self.feed.update(self._since)
+            update = self.feed.update(self._since, self._key)
             self._redraw = update["key"] != self._key or not self._extend(update["rows"])
         self._runs = update["runs"]
         for run in self._runs:
