@@ -226,3 +226,37 @@ def test_an_sdpa_transformer_records_finite_rows() -> None:
     assert all(np.isfinite(v).all() for name, v in row.items() if name != "error_bounds")
     assert row["batch_rayleigh"].shape == (2,)
     assert row["batch_rayleigh_std"] > 0
+
+
+def _ddp_rank(rank: int, init_method: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    try:
+        module, batches = _tiny()
+        mine = [batches[rank], batches[rank + 1]]  # each rank its own set of two
+        torch.save(_measured(module, mine), out.format(rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_ddp_the_set_is_per_rank_and_products_are_averaged(tmp_path) -> None:
+    context = torch.multiprocessing.get_context("fork")
+    args = (f"file://{tmp_path / 'store'}", str(tmp_path / "row{}.pt"))
+    ranks = [context.Process(target=_ddp_rank, args=(rank, *args)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    rows = [torch.load(tmp_path / f"row{rank}.pt", weights_only=False) for rank in range(2)]
+    np.testing.assert_array_equal(rows[0]["eigenvalues"], rows[1]["eigenvalues"])
+    module, batches = _tiny()
+    # Rank 0 holds batches 0 and 1, rank 1 holds 1 and 2: the mean of the four losses.
+    mean, each = _dense(module, [batches[0], batches[1], batches[1], batches[2]])
+    values, vectors = torch.linalg.eigh(mean)
+    np.testing.assert_allclose(rows[0]["eigenvalues"], values.flip(0)[:2].numpy(), rtol=1e-7)
+    # The i-th quotient is along the i-th batches of both ranks: (H_0 + H_1)/2, (H_1 + H_2)/2.
+    v1 = vectors[:, -1]
+    by_hand = [float(v1 @ (each[0] + each[1]) @ v1) / 2, float(v1 @ (each[2] + each[3]) @ v1) / 2]
+    np.testing.assert_allclose(rows[0]["batch_rayleigh"], by_hand, rtol=0, atol=1e-7)
