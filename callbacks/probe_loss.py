@@ -87,6 +87,16 @@ class ProbeLoss:
         """
         self.shards = parameter_shards(fit, pl_module)
         self._frozen = parameter_shards(fit, pl_module, "frozen")
+        if self.set_size is not None and world.world_size() > 1:
+            # Every product is averaged over the ranks, batch by batch for the spread: each rank
+            # must hold as many batches, or the collectives would not match (all ranks decide).
+            count = torch.tensor([self.set_size], device=world.collective_device())
+            sizes = [int(size) for size in world.all_gather(count)]
+            if len(set(sizes)) > 1:
+                raise ProbeUnavailable(
+                    f"{self.probe}: the ranks' probe sets hold {sizes} batches; give every rank "
+                    "as many"
+                )
         if self._unrestorable is not None:
             raise ProbeUnavailable(
                 f"{self.probe}: the checkpoint could not keep its probe batch (a "

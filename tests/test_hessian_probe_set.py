@@ -236,6 +236,9 @@ def _ddp_rank(rank: int, init_method: str, out: str) -> None:
         module, batches = _tiny()
         mine = [batches[rank], batches[rank + 1]]  # each rank its own set of two
         torch.save(_measured(module, mine), out.format(rank))
+        uneven = HessianSpectrum(batches=batches[: 2 + rank])  # 2 batches on rank 0, 3 on 1
+        with pytest.raises(ProbeUnavailable, match=r"probe sets hold \[2, 3\] batches"):
+            uneven.setup(SimpleNamespace(strategy=None), module, None)
     finally:
         dist.destroy_process_group()
 
