@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from dynamics.curvature import (
     eigenvalue_error_bounds,
     solver,
 )
+from dynamics.curvature.mean_operator import MeanHessianOperator
 from dynamics.curvature.subspace_tracking import GUARDS
 from dynamics.errors import ParameterError
 from dynamics.passes.isolation import Mode, side_effect_free
@@ -42,9 +44,14 @@ MAY_BE_NAN = (names.HESSIAN_ERROR_BOUNDS,)
 
 
 class HessianSpectrum(Probe):
-    """The top-k Hessian eigenvalues of the training loss on a fixed probe batch (group
-    ``hessian``), and any ``measurements`` on the same operator (trace, density, gradient share,
-    eigenspace overlap, stored eigenvectors).
+    """The top-k Hessian eigenvalues of the training loss on a fixed probe batch, or on a probe
+    set of N batches (group ``hessian``), and any ``measurements`` on the same operator (trace,
+    density, gradient share, eigenspace overlap, stored eigenvectors).
+
+    With ``batches=[b1, ..., bN]`` the loss is the mean of the batches' losses (each batch
+    weighs 1/N; :class:`~dynamics.curvature.mean_operator.MeanHessianOperator`), every product
+    and so every measurement is over the set, and each row also stores the curvature of each
+    batch along the set's top eigenvector (``batch_rayleigh``, ``batch_rayleigh_std``).
 
     The loss comes from the module's own loss rule, measured with the module in ``mode``,
     autocast off and the parameters in float32 (float64 for a float64 model), inside
@@ -59,6 +66,8 @@ class HessianSpectrum(Probe):
 
         probe = HessianSpectrum(k=5, every_n_steps=50, measurements=[HessianTrace(hvp=60)])
         DynamicsRecorder("run.h5", probes=[probe])
+        # over a probe set of 8 batches (of a loader that does not shuffle)
+        HessianSpectrum(k=5, batches=list(itertools.islice(probe_loader, 8)))
 
     Args:
         k: how many eigenvalues.
@@ -66,6 +75,12 @@ class HessianSpectrum(Probe):
         tol: relative residual tolerance of each eigenpair.
         max_hvp: product budget of the eigensolver per row.
         batch: the probe batch; default: a copy of the fit's first training batch.
+        batches: a probe set instead: a list of at least two batches (exclusive with
+            ``batch``), copied, checkpointed and restored as the probe batch is.
+        keep_graphs: with ``batches``, hold every batch's gradient graph for the row (N× the
+            activation memory of one batch; default) or rebuild each at every product (one
+            batch's memory, N forward and backward passes more per product; ``mode="eval"``
+            only, as a rebuilt train-mode graph would draw another dropout mask).
         warm_start: pass each row's solver the previous row's eigenvectors (kept in
             checkpoints, so a resumed fit's rows equal an uninterrupted one's).
         seed: seed of the random start vectors (the global RNG is never used).
@@ -93,6 +108,8 @@ class HessianSpectrum(Probe):
         *,
         max_hvp: int = 500,
         batch: Any = None,
+        batches: Sequence[Any] | None = None,
+        keep_graphs: bool = True,
         warm_start: bool = True,
         seed: int = 0,
         mode: Mode = "eval",
@@ -130,7 +147,14 @@ class HessianSpectrum(Probe):
                     "measurements", f"hold {type(measurement).__name__} more than once"
                 )
         self.size = 0  # trainable parameters, known at setup
-        self._loss = ProbeLoss("HessianSpectrum", mode, batch)
+        self._loss = ProbeLoss("HessianSpectrum", mode, batch, batches)
+        if not keep_graphs and self._loss.mode == "train":
+            raise ParameterError(
+                "keep_graphs",
+                "False needs mode='eval': a train-mode graph rebuilt at each product draws "
+                "another dropout mask",
+            )
+        self.keep_graphs = keep_graphs
         self.dtype: torch.dtype | None = None  # of the measurement, decided at setup
         self._ritz: torch.Tensor | None = None  # the previous row's vectors (and guards)
         self._rows: Rows = {}  # measured before the step's forward, returned after it
@@ -174,6 +198,17 @@ class HessianSpectrum(Probe):
                 names.HESSIAN_LOSS: SeriesSpec(view=view(names.HESSIAN_LOSS)),
             }
         }
+        n = self._loss.set_size
+        if n is not None:
+            batches = tuple(f"batch_{i + 1}" for i in range(n))
+            groups[self.name] |= {
+                names.HESSIAN_BATCH_RAYLEIGH: SeriesSpec(
+                    (n,), columns=batches, view=view(names.HESSIAN_BATCH_RAYLEIGH)
+                ),
+                names.HESSIAN_BATCH_RAYLEIGH_STD: SeriesSpec(
+                    view=view(names.HESSIAN_BATCH_RAYLEIGH_STD)
+                ),
+            }
         for measurement in self.measurements:
             for group, specs in measurement.series(self.k, self.size).items():
                 groups.setdefault(group, {}).update(specs)
@@ -191,7 +226,9 @@ class HessianSpectrum(Probe):
         # The solver decides how a row was measured (tracking rows may miss a new sharp
         # direction a cold Lanczos would find), so a reader of the file must see it.
         solver = {"solver": self.solver, "tol": self.tol, "cold_every": self.cold_every}
-        return {**self._loss.settings(), **solver}
+        # The set is not stored in the run file: offline tools rebuild GradientPlane's batch.
+        graphs = {} if self._loss.set_size is None else {"keep_graphs": self.keep_graphs}
+        return {**self._loss.settings(), **solver, **graphs}
 
     def on_step_start(self, fit: Fit, pl_module: pl.LightningModule, batch: Any, step: int) -> None:
         # Measured here, before the step's forward, so the row describes θ_step (the contract).
@@ -238,7 +275,7 @@ class HessianSpectrum(Probe):
 
     def _rows_at(self, module: torch.nn.Module, step: int) -> dict[str, dict[str, Any]]:
         """Every group's row, measured on ``module`` (holding the parameters whole)."""
-        batch = self._loss.batch
+        batches = self._loss.batches
         params = dict(module.named_parameters())
         varied = [n for n, p in params.items() if p.requires_grad]
         leaves = {n: params[n].detach().to(self.dtype).requires_grad_() for n in varied}
@@ -249,19 +286,32 @@ class HessianSpectrum(Probe):
             # float32.
             tensors |= frozen_parameters(module, self.dtype, varied)
             tensors |= {n: upcast(b, self.dtype) for n, b in module.named_buffers()}
-            batch = apply_to_collection(batch, torch.Tensor, upcast, self.dtype)
+            batches = apply_to_collection(batches, torch.Tensor, upcast, self.dtype)
         averaged = world.is_distributed()
         with (
             side_effect_free(module, self.mode),
             torch.autocast(params[varied[0]].device.type, enabled=False),
             uncompiled(),  # a compiled graph supports no double backward
         ):
-            loss_fn = lambda: loss_at(module, tensors, batch, self._loss.rule)  # noqa: E731
-            operator = HessianOperator(
-                loss_fn, list(leaves.values()), average_across_ranks=averaged
-            )
+            loss_fns = [
+                functools.partial(loss_at, module, tensors, batch, self._loss.rule)
+                for batch in batches
+            ]
+            operator: HessianOperator | MeanHessianOperator
+            if self._loss.set_size is None:
+                operator = HessianOperator(
+                    loss_fns[0], list(leaves.values()), average_across_ranks=averaged
+                )
+            else:
+                operator = MeanHessianOperator(
+                    loss_fns,
+                    list(leaves.values()),
+                    average_across_ranks=averaged,
+                    keep_graphs=self.keep_graphs,
+                )
+            # The solvers that take the loss itself (PyHessian) are refused at construction.
             problem = HessianProblem(
-                loss_fn, operator.params, average_across_ranks=averaged, operator=operator
+                loss_fns[0], operator.params, average_across_ranks=averaged, operator=operator
             )
             return self._rows_of(problem, step)
 
@@ -285,6 +335,8 @@ class HessianSpectrum(Probe):
         for measurement in self.measurements:
             for group, values in measurement.measure(row).items():
                 rows.setdefault(group, {}).update(values)
+        if isinstance(operator, MeanHessianOperator):
+            rows[self.name] |= batch_spread(operator, pairs.eigenvectors[0])
         rows[self.name][names.HESSIAN_N_HVP] = operator.n_hvp  # the row's products, all of them
         return rows
 
@@ -324,6 +376,25 @@ class HessianSpectrum(Probe):
         self._ritz = state.get("ritz")
         for measurement in self.measurements:
             measurement.load_state_dict(state)
+
+
+def batch_spread(operator: MeanHessianOperator, vector: torch.Tensor) -> dict[str, Any]:
+    """The Rayleigh quotients ``vᵀ H_i v / vᵀv`` of each batch's Hessian along ``vector`` (the
+    set's top eigenvector) and their sample standard deviation: N single-batch products, the
+    cost of one product of the set. Their mean is the set's ``vᵀ H v / vᵀv`` (λ1 once
+    converged); their spread is how far one batch's curvature along v1 strays from it."""
+    vector = vector.to(device=operator.device, dtype=operator.dtype)
+    norm = torch.dot(vector, vector)
+    quotients = torch.stack(
+        [
+            torch.dot(vector, operator.batch_matvec(i, vector)) / norm
+            for i in range(operator.n_batches)
+        ]
+    )
+    return {
+        names.HESSIAN_BATCH_RAYLEIGH: quotients.cpu().numpy(),
+        names.HESSIAN_BATCH_RAYLEIGH_STD: float(quotients.std(correction=1)),
+    }
 
 
 def _certified_solver(name: str) -> Solver:

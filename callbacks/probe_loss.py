@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -14,6 +14,7 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 from dynamics import world
 from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import ProbeUnavailable, detached_copy, parameter_shards
+from dynamics.errors import ParameterError
 from dynamics.params.batch_tree import flatten_batch, unflatten_batch
 from dynamics.params.vectors import module_device
 from dynamics.passes.isolation import Mode, checked_mode
@@ -33,9 +34,13 @@ class ProbeLoss:
         probe: the owning probe's class name, for messages.
         mode: the :data:`~dynamics.passes.isolation.Mode` extra passes run the module in.
         batch: the probe batch; default: a copy of the fit's first training batch.
+        batches: a probe set instead of one batch: a sequence of at least two batches, copied
+            (exclusive with ``batch``); it is checkpointed and restored as the batch is.
 
     Attributes:
-        batch: the probe batch, on the module's device after setup.
+        batch: the probe batch, on the module's device after setup (with ``batches``: the list
+            of them).
+        set_size: how many batches the probe set holds; None for one probe batch.
         rule: the fit's loss rule (:class:`~dynamics.passes.loss_rule.LossRule`), a callable
             ``rule(module, batch)``; the Lightning rule before setup.
         source: where the loss rule takes the loss from; ``None`` before setup.
@@ -43,9 +48,21 @@ class ProbeLoss:
             setup.
     """
 
-    def __init__(self, probe: str, mode: Mode, batch: Any = None) -> None:
+    def __init__(
+        self, probe: str, mode: Mode, batch: Any = None, batches: Sequence[Any] | None = None
+    ) -> None:
         self.probe = probe
         self.mode = checked_mode(mode)
+        self.set_size: int | None = None
+        if batches is not None:
+            if batch is not None:
+                raise ParameterError("batches", "exclusive with batch=: give one or the other")
+            if isinstance(batches, torch.Tensor | dict) or len(batches) < 2:
+                raise ParameterError(
+                    "batches", "must be a list of at least two batches (one batch: batch=)"
+                )
+            self.set_size = len(batches)
+            batch = list(batches)
         self.batch = None if batch is None else detached_copy(batch)
         self.rule: LossRule = LIGHTNING_RULE
         self.source: str | None = None
@@ -56,6 +73,10 @@ class ProbeLoss:
         self._unrestorable: str | None = None
         # How many ranks' batches the checkpoint kept (None: one, or an older checkpoint).
         self._saved_ranks: int | None = None
+        # Whether a checkpoint gave the batch, and how many batches its probe set held (None:
+        # one probe batch).
+        self._restored = False
+        self._saved_set_size: int | None = None
 
     def setup(self, fit: Fit, pl_module: pl.LightningModule, batch: Any) -> None:
         """Check the loss rule, keep the probe batch, and learn how parameters are sharded
@@ -66,6 +87,16 @@ class ProbeLoss:
         """
         self.shards = parameter_shards(fit, pl_module)
         self._frozen = parameter_shards(fit, pl_module, "frozen")
+        if self.set_size is not None and world.world_size() > 1:
+            # Every product is averaged over the ranks, batch by batch for the spread: each rank
+            # must hold as many batches, or the collectives would not match (all ranks decide).
+            count = torch.tensor([self.set_size], device=world.collective_device())
+            sizes = [int(size) for size in world.all_gather(count)]
+            if len(set(sizes)) > 1:
+                raise ProbeUnavailable(
+                    f"{self.probe}: the ranks' probe sets hold {sizes} batches; give every rank "
+                    "as many"
+                )
         if self._unrestorable is not None:
             raise ProbeUnavailable(
                 f"{self.probe}: the checkpoint could not keep its probe batch (a "
@@ -77,6 +108,12 @@ class ProbeLoss:
                 f"{self.probe}: the checkpoint kept the probe batches of {self._saved_ranks} "
                 f"ranks and this fit has {world.world_size()}, so a resumed fit cannot measure "
                 f"the same loss; resume on {self._saved_ranks} ranks"
+            )
+        if self._restored and self._saved_set_size != self.set_size:
+            raise ProbeUnavailable(
+                f"{self.probe}: the checkpoint kept a probe set of {self._saved_set_size or 1} "
+                f"batch(es) and this probe is given {self.set_size or 1}, so a resumed fit "
+                "cannot measure the same loss; resume with the same batches="
             )
         # A probe tried outside a fit (a stand-in without a rule) takes the Lightning rule.
         self.rule = getattr(fit, "loss_rule", LIGHTNING_RULE)
@@ -104,9 +141,16 @@ class ProbeLoss:
         with unsharded_copy(pl_module, self.shards, self._frozen) as module:
             yield module
 
+    @property
+    def batches(self) -> list[Any]:
+        """The probe set's batches; the probe batch alone when there is no set."""
+        return [self.batch] if self.set_size is None else list(self.batch)
+
     def settings(self) -> dict[str, Any]:
-        """The mode and the loss's source, as stored in the run file."""
-        return {"mode": self.mode, "loss": self.source}
+        """The mode and the loss's source (and the probe set's size), as stored in the run
+        file."""
+        size = {} if self.set_size is None else {"batches": self.set_size}
+        return {"mode": self.mode, "loss": self.source, **size}
 
     def state_dict(self) -> dict[str, Any]:
         """The probe batch, so a resumed run keeps measuring the same loss: its tree as JSON
@@ -121,6 +165,8 @@ class ProbeLoss:
         except ValueError:  # a custom batch class: no plain form to store
             return {"batch_unrestorable": next(_unsupported(tree))}
         state = {"batch_tree": json.dumps(tree), "batch_leaves": leaves}
+        if self.set_size is not None:
+            state["batch_set_size"] = self.set_size
         if world.world_size() == 1:
             return state
         # Each rank measures on its own batch and Lightning keeps rank zero's states only:
@@ -136,6 +182,8 @@ class ProbeLoss:
                 state = by_rank[world.rank()]
         if "batch_tree" in state:
             self.batch = unflatten_batch(json.loads(state["batch_tree"]), state["batch_leaves"])
+            self._restored = True
+            self._saved_set_size = state.get("batch_set_size")
         self._unrestorable = state.get("batch_unrestorable")
 
 

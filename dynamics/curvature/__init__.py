@@ -19,6 +19,7 @@ _HOMES = {
     "eigenvalue_error_bounds": "dynamics.curvature.error_bounds",
     "HessianOperator": "dynamics.curvature.operator",
     "LinearOperator": "dynamics.curvature.operator",
+    "MeanHessianOperator": "dynamics.curvature.mean_operator",
     "power_iteration": "dynamics.curvature.power",
     "HessianProblem": "dynamics.curvature.problem",
     "pyhessian_eigenpairs": "dynamics.curvature.pyhessian_backend",

@@ -182,6 +182,8 @@ HESSIAN_DENSITY_NODES = "density_nodes"
 HESSIAN_DENSITY_WEIGHTS = "density_weights"
 HESSIAN_OVERLAP = "overlap_previous"  # top-k eigenspace overlap with the previous record
 HESSIAN_UPDATE_SHARE = "update_share"  # share of θt − θs in the top-k eigenspace at s
+HESSIAN_BATCH_RAYLEIGH = "batch_rayleigh"  # v1ᵀ H_i v1 on each batch of a probe set, (N)
+HESSIAN_BATCH_RAYLEIGH_STD = "batch_rayleigh_std"  # their sample standard deviation
 HESSIAN_VECTORS = "hessian_vectors"  # top-k Ritz vectors at thinned records, within a budget
 HESSIAN_VECTORS_RITZ = "vectors"  # (k, n) float32
 

@@ -50,6 +50,12 @@ STANDARD_VIEWS: dict[str, dict[str, View]] = {
             "Share of the update since the previous record in that record's top-k eigenspace",
             "‖P_k(θt − θs)‖² / ‖θt − θs‖²",
         ),
+        names.HESSIAN_BATCH_RAYLEIGH: View(
+            "lines", "Curvature along v₁ on each probe-set batch", "v₁ᵀ H_i v₁"
+        ),
+        names.HESSIAN_BATCH_RAYLEIGH_STD: View(
+            "scalar", "Spread of v₁ᵀ H_i v₁ over the probe-set batches", "std over batches"
+        ),
     },
 }
 
