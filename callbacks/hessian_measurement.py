@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from dynamics.callbacks.fit import Fit
-from dynamics.curvature import Eigenpairs, HessianOperator
+from dynamics.curvature import Eigenpairs, HessianOperator, MeanHessianOperator
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -32,14 +32,15 @@ class SpectrumRow:
     """What one row of ``HessianSpectrum`` hands its measurements.
 
     Attributes:
-        operator: the Hessian of the probe-batch loss at θ_step (its products are the row's).
+        operator: the Hessian of the probe-batch loss at θ_step, or of the mean loss over the
+            probe set (its products are the row's).
         pairs: the top ``k`` eigenpairs of this row.
         previous: the top ``k`` eigenvectors of the previous row; None on a fit's first row.
         step: the optimizer step the row describes.
         seed: the probe's seed (random vectors of a measurement are drawn from it).
     """
 
-    operator: HessianOperator
+    operator: HessianOperator | MeanHessianOperator
     pairs: Eigenpairs
     previous: torch.Tensor | None
     step: int
