@@ -51,6 +51,12 @@ STANDARD_VIEWS: dict[str, dict[str, View]] = {
             "‖P_k(θt − θs)‖² / ‖θt − θs‖²",
         ),
     },
+    names.HESSIAN_BLOCKS: {
+        names.HESSIAN_BLOCKS_LAMBDA_MAX: View(
+            "lines", "Top eigenvalue of each Hessian block H_bb", "λ1(H_bb)"
+        ),
+        names.HESSIAN_BLOCKS_TRACE: View("lines", "Trace of each Hessian block H_bb", "tr H_bb"),
+    },
 }
 
 
