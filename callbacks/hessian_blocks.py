@@ -80,6 +80,11 @@ class BlockHessian(HessianMeasurement):
         tol: relative residual tolerance of each block's eigenpairs.
         max_hvp: product budget of each block's eigensolver.
 
+    Attributes:
+        block_names: the blocks, in the order of the series' columns (pattern blocks from the
+            start, the others from setup on).
+        members: ``{block: [parameter, ...]}``, the parameters of each (from setup on).
+
     Raises:
         ParameterError: an unknown kind of blocks, a pattern block without patterns; at setup,
             a pattern block that matches no parameter, blocks that overlap, ``"groups"`` without
@@ -122,16 +127,16 @@ class BlockHessian(HessianMeasurement):
         self.tol = tol
         self.max_hvp = max_hvp
         # Known at setup (pattern blocks' names before it): the blocks and their coordinates.
-        self.names: tuple[str, ...] = tuple(blocks) if isinstance(blocks, Mapping) else ()
+        self.block_names: tuple[str, ...] = tuple(blocks) if isinstance(blocks, Mapping) else ()
         self.members: dict[str, list[str]] = {}
         self._coordinates: list[Coordinates] = []
         self._size = 0
 
     def series(self, k: int, size: int) -> dict[str, dict[str, SeriesSpec]]:
-        if not self.names:  # "layers" and "groups" are named at setup
+        if not self.block_names:  # "layers" and "groups" are named at setup
             return {}
         k = self.k or k
-        blocks, pairs = self.names, (len(self.names), k)
+        blocks, pairs = self.block_names, (len(self.block_names), k)
         columns = tuple(f"lambda_{i + 1}" for i in range(k))
 
         def view(series: str) -> Any:
@@ -167,7 +172,7 @@ class BlockHessian(HessianMeasurement):
             members = _matched(self.blocks, layout)
         _check_disjoint(members)
         self.k = self.k or probe.k
-        self.names = tuple(members)
+        self.block_names = tuple(members)
         self.members = members
         self._coordinates = [layout_coordinates(layout, m) for m in members.values()]
         self._size = layout.size
