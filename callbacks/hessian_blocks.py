@@ -131,6 +131,7 @@ class BlockHessian(HessianMeasurement):
         self.members: dict[str, list[str]] = {}
         self._coordinates: list[Coordinates] = []
         self._size = 0
+        self._k = k or 0  # the probe's k when k is None (known at setup)
 
     def series(self, k: int, size: int) -> dict[str, dict[str, SeriesSpec]]:
         if not self.block_names:  # "layers" and "groups" are named at setup
@@ -171,7 +172,7 @@ class BlockHessian(HessianMeasurement):
         else:
             members = _matched(self.blocks, layout)
         _check_disjoint(members)
-        self.k = self.k or probe.k
+        self._k = self.k or probe.k
         self.block_names = tuple(members)
         self.members = members
         self._coordinates = [layout_coordinates(layout, m) for m in members.values()]
@@ -183,16 +184,19 @@ class BlockHessian(HessianMeasurement):
                 f"BlockHessian was set up for {self._size} parameters, the row's operator has "
                 f"{row.operator.size}"
             )
-        k = self.k or row.pairs.eigenvalues.numel()
+        k = self._k
         blocks = [BlockOperator(row.operator, c) for c in self._coordinates]
         eigenvalues = np.full((len(blocks), k), np.nan)
         residuals = np.full((len(blocks), k), np.nan)
         converged = np.zeros(len(blocks), np.int8)
         n_hvp = np.zeros(len(blocks), np.int64)
         for b, block in enumerate(blocks):
-            pairs = lanczos(
-                block, min(k, block.size), self.tol, max_hvp=self.max_hvp, seed=row.seed
-            )
+            try:
+                pairs = lanczos(
+                    block, min(k, block.size), self.tol, max_hvp=self.max_hvp, seed=row.seed
+                )
+            except FloatingPointError as error:  # a product not finite: say in which block
+                raise self._not_finite(row, b, str(error)) from None
             found = len(pairs.eigenvalues)
             eigenvalues[b, :found] = pairs.eigenvalues.numpy()
             residuals[b, :found] = pairs.residuals.double().cpu().numpy()
@@ -206,17 +210,18 @@ class BlockHessian(HessianMeasurement):
         }
         if self.trace_hvp:
             trace, stderr, used = self._traces(row, blocks)
+            if not np.isfinite(trace).all():  # products of other vectors than Lanczos's
+                first = int(np.argmin(np.isfinite(trace)))
+                raise self._not_finite(row, first, "the trace estimate is not finite")
             values[names.HESSIAN_BLOCKS_TRACE] = trace
             values[names.HESSIAN_BLOCKS_TRACE_STDERR] = stderr
             n_hvp += used
         values[names.HESSIAN_BLOCKS_N_HVP] = n_hvp.astype(np.int32)
-        known = ~np.isnan(eigenvalues)  # NaN marks only the pairs past a block's size
-        finite = np.isfinite(eigenvalues[known]).all() and np.isfinite(residuals[known]).all()
-        if not finite or not np.isfinite(values.get(names.HESSIAN_BLOCKS_TRACE, 0.0)).all():
-            raise FloatingPointError(
-                f"BlockHessian at step {row.step}: a block's value is not finite"
-            )
         return {names.HESSIAN_BLOCKS: values}
+
+    def _not_finite(self, row: SpectrumRow, block: int, problem: str) -> FloatingPointError:
+        name = self.block_names[block]
+        return FloatingPointError(f"BlockHessian at step {row.step}, block {name!r}: {problem}")
 
     def _traces(
         self, row: SpectrumRow, blocks: list[BlockOperator]
@@ -227,7 +232,10 @@ class BlockHessian(HessianMeasurement):
             return trace, np.zeros(len(blocks)), np.array([block.size for block in blocks])
         # One draw at the whole size, restricted to every block: the block estimates then sum
         # to Hutchinson's estimate of the block-diagonal part with these same vectors.
-        samples = torch.zeros(self.trace_hvp, len(blocks), dtype=torch.float64)
+        # On the operator's device: one copy to the host at the end, not one per product.
+        samples = torch.zeros(
+            self.trace_hvp, len(blocks), dtype=torch.float64, device=row.operator.device
+        )
         draws = random_vectors(self.trace_hvp, row.operator, row.seed, rademacher=True)
         for i, z in enumerate(draws):
             for b, block in enumerate(blocks):
@@ -235,7 +243,7 @@ class BlockHessian(HessianMeasurement):
                 samples[i, b] = torch.dot(part, block.matvec(part)).double()
         trace = samples.mean(0)
         stderr = samples.std(0, correction=1) / self.trace_hvp**0.5
-        return trace.numpy(), stderr.numpy(), np.full(len(blocks), self.trace_hvp)
+        return trace.cpu().numpy(), stderr.cpu().numpy(), np.full(len(blocks), self.trace_hvp)
 
     def teardown(self) -> None:
         self._coordinates = []

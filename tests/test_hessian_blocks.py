@@ -27,6 +27,7 @@ from dynamics.callbacks import (
     TrainingLoss,
     check_probe,
 )
+from dynamics.callbacks.hessian_measurement import SpectrumRow
 from dynamics.curvature import BlockOperator, hutchinson, layout_coordinates
 from dynamics.errors import ParameterError
 from dynamics.experiments.teacher_student.data import TeacherStudentData
@@ -314,3 +315,27 @@ def test_an_sdpa_gpt2_records_finite_block_rows(tmp_path) -> None:
     assert list(series.step) == [0, 2]
     assert np.isfinite(series["eigenvalues"]).all() and np.isfinite(series["trace"]).all()
     assert (series["lambda_max"] > 0).all()
+
+
+def test_a_block_with_values_not_finite_fails_the_row_by_name() -> None:
+    module, batch = _regressor()
+    measurement = BlockHessian("layers", k=2, trace_hvp=2)
+    _block_rows(measurement, module, batch)  # set up on the module: blocks net.0 and net.2
+    matrix = torch.eye(44, dtype=torch.float64)
+    matrix[40, 40] = float("nan")  # in net.2's weight
+    row = SpectrumRow(Dense(matrix), None, None, step=3, seed=0)
+    with pytest.raises(
+        FloatingPointError, match="^BlockHessian at step 3, block 'net.2': a Hessian-vector"
+    ):
+        measurement.measure(row)
+
+    # Products Lanczos never saw: an operator that fails only on ±1 vectors (the trace's).
+    class FailsOnSigns(Dense):
+        def matvec(self, vector):
+            product = super().matvec(vector)
+            signs = ((vector == 0) | (vector.abs() == 1)).all()
+            return product * float("nan") if signs else product
+
+    row = SpectrumRow(FailsOnSigns(torch.eye(44, dtype=torch.float64)), None, None, 4, 0)
+    with pytest.raises(FloatingPointError, match="^BlockHessian at step 4, block 'net.0': the"):
+        measurement.measure(row)
