@@ -11,6 +11,7 @@ from dynamics.callbacks.bias_component import BiasComponent
 from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.gradient_plane import GradientPlane
+from dynamics.callbacks.hessian_blocks import BlockHessian
 from dynamics.callbacks.hessian_density import HessianDensity
 from dynamics.callbacks.hessian_eigenspace_overlap import EigenspaceOverlap
 from dynamics.callbacks.hessian_gradient_share import GradientShare
@@ -34,6 +35,7 @@ __all__ = [
     "ActivationBias",
     "BiasAudit",
     "BiasComponent",
+    "BlockHessian",
     "DynamicsRecorder",
     "EigenspaceOverlap",
     "EigenvectorSnapshots",

@@ -12,6 +12,8 @@ that offline pages drawing densities never import torch.
 from dynamics.exports import lazy_exports
 
 _HOMES = {
+    "BlockOperator": "dynamics.curvature.blocks",
+    "layout_coordinates": "dynamics.curvature.blocks",
     "SpectralDensity": "dynamics.curvature.density",
     "broadened_density": "dynamics.curvature.density",
     "spectral_density": "dynamics.curvature.density",

@@ -186,6 +186,15 @@ HESSIAN_BATCH_RAYLEIGH = "batch_rayleigh"  # v1ᵀ H_i v1 on each batch of a pro
 HESSIAN_BATCH_RAYLEIGH_STD = "batch_rayleigh_std"  # their sample standard deviation
 HESSIAN_VECTORS = "hessian_vectors"  # top-k Ritz vectors at thinned records, within a budget
 HESSIAN_VECTORS_RITZ = "vectors"  # (k, n) float32
+# BlockHessian: the diagonal blocks H_bb of the Hessian (per layer, parameter group or pattern).
+HESSIAN_BLOCKS = "hessian_blocks"
+HESSIAN_BLOCKS_LAMBDA_MAX = "lambda_max"  # λ1(H_bb), one column per block
+HESSIAN_BLOCKS_EIGENVALUES = "eigenvalues"  # (blocks, k); NaN past a block's size
+HESSIAN_BLOCKS_RESIDUALS = "residuals"  # (blocks, k) ‖H_bb v − λ v‖; NaN past a block's size
+HESSIAN_BLOCKS_CONVERGED = "converged"  # 1 per block whose Lanczos met the tolerance
+HESSIAN_BLOCKS_N_HVP = "n_hvp"  # products of H each block used (eigenvalues and trace)
+HESSIAN_BLOCKS_TRACE = "trace"  # tr H_bb: Hutchinson on shared probes, or exact
+HESSIAN_BLOCKS_TRACE_STDERR = "trace_stderr"  # its standard error (0 when exact)
 
 # BiasComponent: decodes of the activation-bias component and the remainder of chosen layers.
 BIAS_COMPONENT = "bias_component"

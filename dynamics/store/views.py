@@ -57,6 +57,12 @@ STANDARD_VIEWS: dict[str, dict[str, View]] = {
             "scalar", "Spread of v₁ᵀ H_i v₁ over the probe-set batches", "std over batches"
         ),
     },
+    names.HESSIAN_BLOCKS: {
+        names.HESSIAN_BLOCKS_LAMBDA_MAX: View(
+            "lines", "Top eigenvalue of each Hessian block H_bb", "λ1(H_bb)"
+        ),
+        names.HESSIAN_BLOCKS_TRACE: View("lines", "Trace of each Hessian block H_bb", "tr H_bb"),
+    },
 }
 
 
