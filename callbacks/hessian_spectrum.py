@@ -14,6 +14,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynamics import world
 from dynamics.callbacks.fit import Fit
+from dynamics.callbacks.hessian_blocks import BlockHessian, Blocks
 from dynamics.callbacks.hessian_density import HessianDensity
 from dynamics.callbacks.hessian_eigenspace_overlap import EigenspaceOverlap
 from dynamics.callbacks.hessian_gradient_share import GradientShare
@@ -93,6 +94,9 @@ class HessianSpectrum(Probe):
         cold_every: every ``cold_every``-th record (steps that are multiples of
             ``cold_every·every_n_steps``) starts without the previous eigenvectors; 0: never.
         measurements: the extras, each a :class:`HessianMeasurement`.
+        blocks: also measure the diagonal Hessian blocks, ``"layers"``, ``"groups"`` or
+            ``{name: [glob, ...]}``, with the probe's ``k``: the shorthand of
+            ``measurements=[BlockHessian(blocks)]`` (:class:`~dynamics.callbacks.BlockHessian`).
         **shorthands: the old spellings, accepted for this release with a warning:
             ``trace_hvp``, ``gradient_share``, ``density_runs``, ``density_steps``,
             ``eigenspace_overlap``, ``vector_budget_mb`` (each the measurement of that name).
@@ -117,6 +121,7 @@ class HessianSpectrum(Probe):
         max_basis: int | None = None,
         cold_every: int = 0,
         measurements: Sequence[HessianMeasurement] = (),
+        blocks: Blocks | None = None,
         **shorthands: Any,
     ) -> None:
         super().__init__(every_n_steps)
@@ -136,6 +141,8 @@ class HessianSpectrum(Probe):
         self.max_basis = max_basis
         self.cold_every = cold_every
         self.measurements = [*_from_shorthands(shorthands), *measurements]
+        if blocks is not None:  # the shorthand of measurements=[BlockHessian(blocks)]
+            self.measurements.append(BlockHessian(blocks))
         kinds = [type(m) for m in self.measurements]
         for measurement in self.measurements:
             if not isinstance(measurement, HessianMeasurement):

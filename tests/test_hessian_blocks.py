@@ -339,3 +339,11 @@ def test_a_block_with_values_not_finite_fails_the_row_by_name() -> None:
     row = SpectrumRow(FailsOnSigns(torch.eye(44, dtype=torch.float64)), None, None, 4, 0)
     with pytest.raises(FloatingPointError, match="^BlockHessian at step 4, block 'net.0': the"):
         measurement.measure(row)
+
+
+def test_the_probes_blocks_keyword_is_the_measurement_with_the_probes_k():
+    probe = HessianSpectrum(k=3, blocks="layers")
+    assert [type(m) for m in probe.measurements] == [BlockHessian]
+    assert probe.measurements[0].blocks == "layers"
+    with pytest.raises(ParameterError, match="more than once"):
+        HessianSpectrum(blocks="layers", measurements=[BlockHessian("groups")])
