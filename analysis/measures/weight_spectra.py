@@ -206,6 +206,45 @@ class WeightSpectra:
     displacement: dict[str, np.ndarray]
     reasons: dict[str, np.ndarray]
 
+    def table(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+        """``(header, rows)``: one row per matrix at the last state, its measures as text
+        ("-" where missing), for the command line and the report."""
+        header = (
+            "layer",
+            "matrix",
+            "‖W‖₂",
+            "‖W‖_F",
+            "stable rank",
+            "α",
+            "x_min",
+            "KS D",
+            "‖ΔW‖₂",
+            "‖ΔW‖_F",
+            "ΔW stable rank",
+            "ΔW α",
+            "no α because",
+        )
+        rows = []
+        for i, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
+            w, d = ({k: v[-1, i] for k, v in m.items()} for m in (self.weights, self.displacement))
+            why = "; ".join(
+                f"{what}: {self.reasons[kind][-1, i]}"
+                for kind, what in (("weights", "W"), ("displacement", "ΔW"))
+                if self.reasons[kind][-1, i]
+            )
+            rows.append(
+                (
+                    layer,
+                    "×".join(map(str, _matrix_shape(shape))),
+                    *(_text(w[k]) for k in ("spectral_norm", "frobenius_norm", "stable_rank")),
+                    *(_text(w[k]) for k in ("alpha", "xmin", "ks_distance")),
+                    *(_text(d[k]) for k in ("spectral_norm", "frobenius_norm", "stable_rank")),
+                    _text(d["alpha"]),
+                    why,
+                )
+            )
+        return header, rows
+
     def last(self) -> list[dict]:
         """One row per matrix at the last state: name, shape, matrix shape and the measures of
         θT and of θT − θ0 (None for NaN), JSON-ready."""
@@ -221,6 +260,10 @@ class WeightSpectra:
 
 def _matrix_shape(shape: Sequence[int]) -> list[int]:
     return [int(shape[0]), int(prod(shape[1:]))]
+
+
+def _text(value: float) -> str:
+    return f"{value:.4g}" if np.isfinite(value) else "-"
 
 
 def _number(value: float) -> float | int | None:
@@ -255,6 +298,8 @@ def weight_spectra(run: Run, last_only: bool = False) -> WeightSpectra:
     if not chosen:
         raise DynamicsError(f"{run.path}: no parameter with two or more dimensions")
     theta0 = states[0].theta
+    # A snapshot at step 0 (or at the last step) repeats θ0 (θT): one state per step.
+    states = [state for i, state in enumerate(states) if i == 0 or state.step != states[i - 1].step]
     measured = [states[-1]] if last_only else states
     out = {
         kind: {k: np.full((len(measured), len(chosen)), np.nan) for k in _MEASURES}
