@@ -157,6 +157,9 @@ def test_recorded_displacement_equals_the_hand_computation(runs) -> None:
                 assert measures["frobenius_norm"][s, i] == pytest.approx(fro, rel=1e-10, abs=0)
     assert set(spectra.reasons["displacement"][0]) == {"zero matrix"}  # θ0 − θ0
     assert np.isfinite(spectra.weights["alpha"]).all()  # 16 × 32 and 32 × 16: 16 eigenvalues
+    fewer = weight_spectra(run, max_states=3)  # evenly spread, θ0 and θT kept
+    np.testing.assert_array_equal(fewer.steps, [0, 2, 3])
+    np.testing.assert_array_equal(fewer.weights["alpha"], spectra.weights["alpha"][[0, 2, 3]])
 
 
 def test_spectra_command_prints_a_table_json_and_a_page(runs, dynamics, tmp_path) -> None:

@@ -13,6 +13,7 @@ from dynamics.errors import DynamicsError
 from dynamics.store import Run
 
 __all__ = [
+    "MAX_STATES",
     "compared_run_spectra_figures",
     "compared_spectra_figures",
     "run_spectra_figures",
@@ -73,8 +74,9 @@ def _figures(runs, color) -> list[tuple[str, go.Figure]]:
 
 
 def run_spectra_figures(run: Run) -> list[tuple[str, go.Figure]]:
-    """:func:`spectra_figures` of a run that stored parameter snapshots; none when its states
-    cannot be read (the report's section says why).
+    """:func:`spectra_figures` of a run that stored parameter snapshots, at most
+    :data:`MAX_STATES` of its states evenly spread; none when its states cannot be read (the
+    report's section says why).
 
     Example::
 
@@ -101,8 +103,12 @@ def compared_run_spectra_figures(
     return compared_spectra_figures(spectra, kept_labels, kept_colors)
 
 
+#: The most stored states a page measures (an SVD and a fit per matrix and state each).
+MAX_STATES = 50
+
+
 def _spectra(run: Run) -> WeightSpectra | None:
     try:
-        return weight_spectra(run)
+        return weight_spectra(run, max_states=MAX_STATES)
     except DynamicsError:
         return None

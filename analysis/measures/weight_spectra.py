@@ -253,6 +253,7 @@ class WeightSpectra:
             row: dict = {"layer": layer, "shape": list(shape), "matrix": _matrix_shape(shape)}
             for kind, measures in (("weights", self.weights), ("displacement", self.displacement)):
                 row[kind] = {k: _number(v[-1, i]) for k, v in measures.items()}
+                row[kind]["tail"] = int(measures["tail"][-1, i])
                 row[kind]["alpha_reason"] = str(self.reasons[kind][-1, i])
             rows.append(row)
         return rows
@@ -266,17 +267,20 @@ def _text(value: float) -> str:
     return f"{value:.4g}" if np.isfinite(value) else "-"
 
 
-def _number(value: float) -> float | int | None:
-    value = value.item()
-    return None if isinstance(value, float) and not np.isfinite(value) else value
+def _number(value: float) -> float | None:
+    return float(value) if np.isfinite(value) else None
 
 
-def weight_spectra(run: Run, last_only: bool = False) -> WeightSpectra:
+def weight_spectra(
+    run: Run, last_only: bool = False, max_states: int | None = None
+) -> WeightSpectra:
     """The spectral measures of the run's weight matrices at each stored state.
 
     Args:
         run: a run that stored θ0 (ParameterDisplacement) and its parameter layout.
         last_only: measure the last stored state alone (θT, or the last snapshot).
+        max_states: measure at most this many states, evenly spread over the stored ones
+            (θ0 and the last kept); all of them when None.
 
     Raises:
         DynamicsError: the run stored no θ0, no layout, or no parameter of two or more
@@ -301,6 +305,9 @@ def weight_spectra(run: Run, last_only: bool = False) -> WeightSpectra:
     # A snapshot at step 0 (or at the last step) repeats θ0 (θT): one state per step.
     states = [state for i, state in enumerate(states) if i == 0 or state.step != states[i - 1].step]
     measured = [states[-1]] if last_only else states
+    if max_states is not None and len(measured) > max_states:
+        kept = np.unique(np.linspace(0, len(measured) - 1, max(2, max_states)).round())
+        measured = [measured[int(i)] for i in kept]
     out = {
         kind: {k: np.full((len(measured), len(chosen)), np.nan) for k in _MEASURES}
         for kind in ("weights", "displacement")

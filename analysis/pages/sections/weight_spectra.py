@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import os
 
-from dynamics.analysis.figures.weight_spectra import spectra_figures
+from dynamics.analysis.figures.weight_spectra import MAX_STATES, spectra_figures
 from dynamics.analysis.measures.weight_spectra import WeightSpectra, weight_spectra
 from dynamics.analysis.output import check_output
 from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
@@ -39,7 +39,8 @@ def write_spectra_page(
     static_format: str = "png",
 ) -> Written:
     """Write one page of a run's weight spectra: the table at the last stored state and the
-    measures over steps, one line per matrix.
+    measures over steps (at most :data:`MAX_STATES` states, evenly spread), one line per
+    matrix.
 
     Raises:
         DynamicsError: an output that cannot be written (checked before the run is read), a
@@ -51,7 +52,7 @@ def write_spectra_page(
     """
     out = check_output(out_path, overwrite, [run_path])
     run = open_run(run_path)
-    spectra = weight_spectra(run)
+    spectra = weight_spectra(run, max_states=MAX_STATES)
     figures = spectra_figures(spectra)
     body = (
         f"<h1>Weight spectra: {html.escape(run.name)}</h1>"
