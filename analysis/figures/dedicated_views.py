@@ -21,6 +21,10 @@ from dynamics.analysis.figures.decoded_images import decoded_images_figure
 from dynamics.analysis.figures.eigenspace_overlap import eigenspace_overlap_figure
 from dynamics.analysis.figures.plane import plane_path, plane_share
 from dynamics.analysis.figures.series import density_figure
+from dynamics.analysis.figures.weight_spectra import (
+    compared_run_spectra_figures,
+    run_spectra_figures,
+)
 from dynamics.analysis.measures.decoded_images import decoded_images
 from dynamics.analysis.measures.run_series import (
     Peak,
@@ -237,4 +241,8 @@ DEDICATED_VIEWS: Mapping[str, DedicatedView] = {
         run_figures=_decoded_images_figures, compared_figures=_compared_decoded_images
     ),
     names.HESSIAN: DedicatedView(run_figures=_density_figures, compared_figures=_compared_hessian),
+    # The weight matrices' spectra at each stored state (θ0, the snapshots, θT), offline.
+    names.SNAPSHOTS: DedicatedView(
+        run_figures=run_spectra_figures, compared_figures=compared_run_spectra_figures
+    ),
 }

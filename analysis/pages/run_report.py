@@ -44,6 +44,7 @@ from dynamics.analysis.output import check_output, slug
 from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
 from dynamics.analysis.pages.sections.bias_audit import bias_audit_html
 from dynamics.analysis.pages.sections.overshoot import overshoot_html
+from dynamics.analysis.pages.sections.weight_spectra import weight_spectra_html
 from dynamics.errors import DynamicsError
 from dynamics.store import Run, names, open_run, run_files
 
@@ -144,6 +145,8 @@ def _run_section(
     audit = recorded_audit(run)
     if audit is not None:  # recorded by the BiasAudit probe
         parts.append("<h3>Bias audit</h3>" + bias_audit_html(audit))
+    if names.SNAPSHOTS in run.groups:  # ParameterDisplacement's snapshots: states to measure
+        parts.append("<h3>Weight spectra</h3>" + weight_spectra_html(run))
     parts.append("<h3>Figures</h3>")
     parts += [figure_html(fig, first_figure + i) for i, (_, fig) in enumerate(figures)]
     parts.append("<h3>Run</h3>" + _metadata_html(run) + "</section>")

@@ -22,6 +22,7 @@ from dynamics.cli import (
     report,
     reproduce,
     run,
+    spectra,
     watch,
 )
 from dynamics.cli.common import (
@@ -36,6 +37,7 @@ from dynamics.errors import DynamicsError
 
 #: One module per command, in the order ``dynamics --help`` lists them.
 COMMANDS = (run, configs, reproduce, info, watch, plane, report, compare, overshoot, audit)
+COMMANDS += (spectra,)
 
 
 def build_parser() -> argparse.ArgumentParser:
