@@ -29,6 +29,8 @@ def test_build_parser_holds_every_command():
         "compare",
         "overshoot",
         "audit",
+        "watch",
+        "spectra",
     }
     args = build_parser().parse_args(["plane", "a.h5", "b.h5", "-o", "p.html", "--grid", "3"])
     assert args.grid == 3 and args.handler.__module__ == "dynamics.cli.plane"

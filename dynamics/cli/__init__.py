@@ -36,8 +36,7 @@ from dynamics.cli.stdout import Stdout, StdoutFailed, discard
 from dynamics.errors import DynamicsError
 
 #: One module per command, in the order ``dynamics --help`` lists them.
-COMMANDS = (run, configs, reproduce, info, watch, plane, report, compare, overshoot, audit)
-COMMANDS += (spectra,)
+COMMANDS = (run, configs, reproduce, info, watch, plane, report, compare, overshoot, audit, spectra)
 
 
 def build_parser() -> argparse.ArgumentParser:
