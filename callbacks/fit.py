@@ -97,6 +97,10 @@ class Fit:
         self.restores_late = False
         self.versions = dict(versions or {})
 
+    #: Whether the loop calls the probes' ``on_before_optimizer_step`` (after AMP unscaling,
+    #: before gradient clipping): Lightning does; the other loops have no such point.
+    calls_before_optimizer_step = False
+
     @property
     def global_rank(self) -> int:
         return world.rank()
@@ -137,6 +141,8 @@ class Fit:
 
 class LightningFit(Fit):
     """A Lightning ``Trainer``'s fit (either namespace), read from the Trainer as it goes."""
+
+    calls_before_optimizer_step = True
 
     def __init__(self, trainer: Any, module: nn.Module, lightning: Any) -> None:
         self.trainer = trainer
