@@ -11,7 +11,7 @@ from torch import nn
 
 from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec, parameter_shards
-from dynamics.callbacks.trajectory_geometry import GRADIENT_DEFINITION, _gradient_problem
+from dynamics.callbacks.trajectory_geometry import GRADIENT_DEFINITION
 from dynamics.params.naming import named_parameters
 from dynamics.store import View, names
 
@@ -129,12 +129,14 @@ class GradientStats(Probe):
         self._inverse_sizes: torch.Tensor | float = 0.0  # Σ_j 1/b_j, this step
         self._micro_batches = 0  # counted this step
         self._before: torch.Tensor | None = None  # ‖g‖² before clipping, this step
+        self._after: torch.Tensor | None = None  # ‖g_i‖² when the optimizer stepped, this step
+        self._hooks: list[Any] = []  # on the optimizers' steps
         self._armed = False
         self._noted: set[str] = set()
 
     def setup(self, fit: Fit, module: nn.Module, batch: Any) -> None:
         problem = _gradient_problem(fit, module)
-        if problem:
+        if problem is not None:
             raise ProbeUnavailable(f"GradientStats: {problem}")
         if parameter_shards(fit, module).sharded:
             raise ProbeUnavailable(
@@ -175,6 +177,9 @@ class GradientStats(Probe):
                 self._note_once(fit.global_step, f"{what} not recorded: {problem}")
         if self.noise_problem is None:  # one copy of the gradients, to difference micro-batches
             self._previous = [torch.zeros_like(p) for p in self._params]
+        # When the optimizer's step returns, .grad is what it was handed, in every loop; a plain
+        # loop's zero_grad may follow before the step ends.
+        self._hooks = [opt.register_step_post_hook(self._stepped) for opt in fit.optimizers]
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         shape, columns = (len(self._tensor_names),), tuple(self._tensor_names)
@@ -207,7 +212,7 @@ class GradientStats(Probe):
     def on_step_start(self, fit: Fit, module: nn.Module, batch: Any, step: int) -> None:
         # Unsharded, the ranks' gradients agree once reduced: only rank zero, which writes, works.
         self._armed = fit.is_global_zero
-        self._before = None
+        self._before = self._after = None
         self._small, self._inverse_sizes, self._micro_batches = 0.0, 0.0, 0
         if self._armed and self._previous:
             torch._foreach_zero_(self._previous)  # .grad still holds the last step's gradient
@@ -233,7 +238,16 @@ class GradientStats(Probe):
         if not self._armed:
             return {}
         self._armed = False
-        squares = _squares(self._grads(), self._dtype)
+        squares = self._after
+        if squares is None:
+            self._note_once(
+                step,
+                "a step without an optimizer step (a gradient scaler skipped it): its norms "
+                "are NaN",
+            )
+            squares = torch.full(
+                (len(self._params),), math.nan, dtype=self._dtype, device=self._device
+            )
         rows: dict[str, Any] = {
             names.GRADIENT_NORM: squares.sum().sqrt(),
             names.GRADIENT_NORM_PER_TENSOR: squares.sqrt(),
@@ -248,7 +262,15 @@ class GradientStats(Probe):
         return {names.GRADIENT_STATS: rows}
 
     def teardown(self) -> None:
-        self._params, self._previous, self._before, self._armed = [], [], None, False
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._params, self._previous = [], [], []
+        self._before = self._after = None
+        self._armed = False
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._armed:
+            self._after = _squares(self._grads(), self._dtype)
 
     def _grads(self) -> list[torch.Tensor]:
         """The gradients the optimizers are handed; zeros for a parameter without one."""
@@ -290,6 +312,18 @@ class GradientStats(Probe):
         if message not in self._noted:
             self._noted.add(message)
             self.note(step, message)
+
+
+def _gradient_problem(fit: Fit, module: nn.Module) -> str | None:
+    """Why .grad at the optimizer step is not the gradient of the step's update, or None."""
+    if not getattr(module, "automatic_optimization", True):  # a LightningModule's flag
+        return (
+            "manual optimization: the module calls zero_grad, backward, clipping and step "
+            "itself, possibly for several optimizers"
+        )
+    if any(isinstance(opt, torch.optim.LBFGS) for opt in fit.optimizers):
+        return "LBFGS evaluates the gradient several times per step"
+    return None
 
 
 def _squares(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

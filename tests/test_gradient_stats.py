@@ -11,6 +11,7 @@ from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
+import dynamics
 from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, GradientStats, check_probe
 from dynamics.callbacks.gradient_stats import first_dimension
@@ -322,3 +323,54 @@ def test_the_default_batch_size_is_the_first_dimension_of_the_first_tensor():
     assert first_dimension(({"ids": torch.zeros(5, 2)}, torch.zeros(7))) == 5
     with pytest.raises(ValueError, match="batch_size="):
         first_dimension({"n": 3})
+
+
+def test_a_plain_loop_records_what_its_optimizer_was_handed_after_its_own_clipping(tmp_path):
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    handed = []
+    opt.register_step_pre_hook(
+        lambda o, a, k: handed.append(
+            [float(torch.linalg.vector_norm(p.grad)) for p in net.parameters()]
+        )
+    )
+    with dynamics.record(tmp_path / "r.h5", net, opt, probes=[GradientStats()]) as rec:
+        for x, y in _batches([4] * 3):
+            with rec.batch((x, y)) as b:
+                loss = 0.5 * (net(x).squeeze(-1) - y).square().mean()
+                loss.backward()
+                nn.utils.clip_grad_norm_(net.parameters(), 1e-2)
+                opt.step()
+                opt.zero_grad()  # before the step ends: the probe read .grad at opt.step
+                b.loss(loss)
+    run = open_run(tmp_path / "r.h5")
+    rows = run.series(G)
+    np.testing.assert_allclose(rows[names.GRADIENT_NORM_PER_TENSOR], handed, rtol=1e-6)
+    assert set(rows.values) == {names.GRADIENT_NORM, names.GRADIENT_NORM_PER_TENSOR}
+    assert any("plain loop has no point" in e.message for e in run.events() if e.probe == G)
+
+
+class ManualLeastSquares(LeastSquares):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        opt.step()
+
+
+def test_manual_optimization_steps_aside_with_the_reason(tmp_path, quiet_trainer):
+    run = _fit(
+        ManualLeastSquares(),
+        DataLoader(_batches([4] * 2), batch_size=None),
+        [GradientStats()],
+        tmp_path / "r.h5",
+        quiet_trainer,
+        max_steps=2,
+    )
+    assert G not in run.groups
+    (event,) = [e for e in run.events() if e.probe == G]
+    assert event.kind == "disabled" and "manual optimization" in event.message
