@@ -164,6 +164,13 @@ class GradientStats(Probe):
                 "under DDP the last micro-batch's backward all-reduces .grad, so neither that "
                 "micro-batch's gradient nor each rank's is left to read"
             )
+        elif fit.precision in ("16-mixed", "16"):
+            # A gradient scaler unscales .grad once, before the step: the micro-batches before
+            # the last are still scaled (by a factor only a host sync would read).
+            self.noise_problem = (
+                "under 16-mixed precision the micro-batches' gradients before the last are "
+                "still multiplied by the gradient scaler's scale"
+            )
         elif self._accumulation == 1:
             self.noise_problem = (
                 "one micro-batch per step on one process: B_small = B_big, so B_simple cannot "

@@ -16,6 +16,7 @@ from dynamics import open_run
 from dynamics.callbacks import DynamicsRecorder, GradientStats, check_probe
 from dynamics.callbacks.gradient_stats import first_dimension
 from dynamics.experiments import TeacherStudentData, TeacherStudentModule
+from dynamics.integrations.huggingface import DynamicsCallback
 from dynamics.store import names
 from tests import tiny_gpt2
 
@@ -374,3 +375,15 @@ def test_manual_optimization_steps_aside_with_the_reason(tmp_path, quiet_trainer
     assert G not in run.groups
     (event,) = [e for e in run.events() if e.probe == G]
     assert event.kind == "disabled" and "manual optimization" in event.message
+
+
+def test_the_hugging_face_trainer_records_the_norms_after_its_clipping(tmp_path):
+    from tests.test_huggingface import train
+
+    path = tmp_path / "r.h5"
+    train(tmp_path, [DynamicsCallback(path, [GradientStats()])], max_grad_norm=1e-3)
+    run = open_run(path)
+    rows = run.series(G)
+    assert set(rows.values) == {names.GRADIENT_NORM, names.GRADIENT_NORM_PER_TENSOR}
+    np.testing.assert_allclose(rows[names.GRADIENT_NORM], 1e-3, rtol=1e-3)  # clipped to it
+    assert any("huggingface loop has no point" in e.message for e in run.events() if e.probe == G)
