@@ -8,7 +8,7 @@ the gradients). Prints, per variant, the wall-time and CPU-time ratio to the bar
 same round as "median (min–max) over N rounds". Wall times on a shared machine are noisy: quote
 the median with the machine's load (``uptime``) beside it.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_gradient_stats.py [--steps 400 --reps 5]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_gradient_stats.py [--steps 300 --reps 9]
 
 The figures of docs/probes/gradient_stats.md come from exactly that command.
 """
@@ -64,8 +64,8 @@ def _summary(ratios: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--reps", type=int, default=5, help="rounds of all variants")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--reps", type=int, default=9, help="rounds of all variants")
     args = parser.parse_args()
     _, config = load_config(CONFIG)
     quiet_lightning()
