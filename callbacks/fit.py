@@ -63,6 +63,10 @@ class Fit:
         versions: the loop's packages and their versions, stored with the run.
     """
 
+    #: Whether the loop calls the probes' ``on_before_optimizer_step`` (after AMP unscaling,
+    #: before gradient clipping): Lightning does; the other loops have no such point.
+    calls_before_optimizer_step = False
+
     def __init__(
         self,
         module: nn.Module,
@@ -96,10 +100,6 @@ class Fit:
         self.checkpoint: str | None = None
         self.restores_late = False
         self.versions = dict(versions or {})
-
-    #: Whether the loop calls the probes' ``on_before_optimizer_step`` (after AMP unscaling,
-    #: before gradient clipping): Lightning does; the other loops have no such point.
-    calls_before_optimizer_step = False
 
     @property
     def global_rank(self) -> int:
