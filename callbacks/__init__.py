@@ -11,6 +11,7 @@ from dynamics.callbacks.bias_component import BiasComponent
 from dynamics.callbacks.check import check_probe
 from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.gradient_plane import GradientPlane
+from dynamics.callbacks.gradient_stats import GradientStats
 from dynamics.callbacks.hessian_blocks import BlockHessian
 from dynamics.callbacks.hessian_density import HessianDensity
 from dynamics.callbacks.hessian_eigenspace_overlap import EigenspaceOverlap
@@ -42,6 +43,7 @@ __all__ = [
     "Fit",
     "GradientPlane",
     "GradientShare",
+    "GradientStats",
     "HessianDensity",
     "HessianMeasurement",
     "HessianSpectrum",

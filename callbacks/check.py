@@ -28,6 +28,7 @@ _MODULE_HOOKS = (
     "setup",
     "on_step_start",
     "on_micro_batch_end",
+    "on_before_optimizer_step",
     "on_step_end",
     "on_validation_end",
     "final_vectors",

@@ -63,6 +63,10 @@ class Fit:
         versions: the loop's packages and their versions, stored with the run.
     """
 
+    #: Whether the loop calls the probes' ``on_before_optimizer_step`` (after AMP unscaling,
+    #: before gradient clipping): Lightning does; the other loops have no such point.
+    calls_before_optimizer_step = False
+
     def __init__(
         self,
         module: nn.Module,
@@ -137,6 +141,8 @@ class Fit:
 
 class LightningFit(Fit):
     """A Lightning ``Trainer``'s fit (either namespace), read from the Trainer as it goes."""
+
+    calls_before_optimizer_step = True
 
     def __init__(self, trainer: Any, module: nn.Module, lightning: Any) -> None:
         self.trainer = trainer

@@ -8,7 +8,8 @@ Writing one: subclass :class:`Probe`, give it a unique ``name``, create every at
 ``__init__`` (calling ``super().__init__``), and override only the hooks the measurement needs.
 The recorder calls them in this order: ``validate`` (fit start), ``setup`` (first batch),
 ``series``/``vectors``/``settings``/``initial_vectors``, then per due step ``on_step_start``,
-``on_micro_batch_end`` (each micro-batch) and ``on_step_end`` (returns the step's rows, shaped
+``on_micro_batch_end`` (each micro-batch; ``on_before_optimizer_step`` before the last one's,
+where the loop has that point) and ``on_step_end`` (returns the step's rows, shaped
 as declared), ``on_validation_end``, ``final_vectors`` and ``teardown``. Hooks leave ``.grad``,
 the RNG, buffers, train/eval flags and parameters as they found them (extra passes run inside
 :func:`dynamics.passes.isolation.side_effect_free`). A hook that cannot measure raises
@@ -135,6 +136,13 @@ class Probe:
         """After each micro-batch of a due step (every one under gradient accumulation, the
         last just before :meth:`on_step_end`): ``outputs`` is what the loop's training step
         returned for it (Lightning's ``on_train_batch_end`` outputs; the loss elsewhere)."""
+
+    def on_before_optimizer_step(self, fit: Fit, module: nn.Module, step: int) -> None:
+        """Before the optimizer step of a due step, after its last micro-batch's backward and
+        AMP unscaling, before gradient clipping (Lightning's ``on_before_optimizer_step``): so
+        before that micro-batch's :meth:`on_micro_batch_end`. Only loops with such a point call
+        it (``fit.calls_before_optimizer_step``): the Hugging Face Trainer clips before its
+        first callback, and a plain loop clips inside the user's code."""
 
     def on_step_end(
         self,

@@ -11,6 +11,7 @@ and how, is :class:`~dynamics.callbacks.recording.Recording`'s, shared with the 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
 from dynamics.callbacks.fit import LightningFit
-from dynamics.callbacks.probe import refuse_deepspeed
+from dynamics.callbacks.probe import Probe, refuse_deepspeed
 from dynamics.callbacks.recording import (
     OnProbeError,
     Recording,
@@ -46,7 +47,7 @@ class RecorderBase(Recording):
     # Per-step hooks the recorder does not use. Lightning calls a callback's hook only when it
     # is callable, each call inside a profiler context: the base class's no-ops cost ~3 µs
     # each, four times a step.
-    on_before_backward = on_after_backward = on_before_optimizer_step = None
+    on_before_backward = on_after_backward = None
     on_before_zero_grad = None
 
     _fit: LightningFit | None = None
@@ -90,6 +91,22 @@ class RecorderBase(Recording):
         batch_idx: int,
     ) -> None:
         self.batch_end(self._fit_of(trainer, pl_module), batch, outputs)
+
+    @property
+    def on_before_optimizer_step(self) -> Callable[..., None] | None:
+        """Lightning's hook after AMP unscaling and before gradient clipping; None (not called)
+        unless a probe uses it."""
+        if not any(
+            getattr(type(p), "on_before_optimizer_step", None) is not Probe.on_before_optimizer_step
+            for p in self.probes
+        ):
+            return None
+        return self._before_optimizer_step
+
+    def _before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        self.before_optimizer_step(self._fit_of(trainer, pl_module))
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.flush()

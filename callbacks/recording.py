@@ -203,6 +203,15 @@ class Recording:
             self._collect(fit, probe, step, probe.on_step_end, fit, module, batch, outputs, step)
         self._flush_if_due()
 
+    def before_optimizer_step(self, fit: Fit) -> None:
+        """After a due step's last backward and AMP unscaling, before gradient clipping and the
+        optimizer step (adapters whose loop has that point call it)."""
+        if self._armed is None:
+            return
+        step, due = self._armed
+        for probe in self._active(due):
+            self._call(fit, probe, step, probe.on_before_optimizer_step, fit, fit.module, step)
+
     def flush(self) -> None:
         """Make the rows so far durable: before a validation loop (which can last far longer
         than the flush interval, with no row arriving to trigger a flush), at an epoch's end."""

@@ -230,3 +230,14 @@ TRAJECTORY_GRADIENT_COSINE = "gradient_cosine"  # cos(Δt, −gt)
 TRAJECTORY_PATH_LENGTH_PER_TENSOR = "path_length_per_tensor"  # Σ_{s ≤ t} ‖Δs,i‖
 TRAJECTORY_UPDATE_COSINE_PER_TENSOR = "update_cosine_per_tensor"  # cos(Δt−1,i, Δt,i)
 TRAJECTORY_GRADIENT_COSINE_PER_TENSOR = "gradient_cosine_per_tensor"  # cos(Δt,i, −gt,i)
+
+# GradientStats: the gradient the optimizer is handed, one row per recorded step.
+GRADIENT_STATS = "gradient_stats"
+GRADIENT_NORM = "norm"  # ‖g‖ after clipping (what the optimizer steps with)
+GRADIENT_NORM_BEFORE_CLIP = "norm_before_clip"  # ‖g‖ after AMP unscaling, before clipping
+GRADIENT_NORM_PER_TENSOR = "norm_per_tensor"  # ‖g_i‖ after clipping, one column per tensor
+GRADIENT_NOISE_SCALE = "noise_scale"  # B_simple = tr Σ / ‖G‖² (McCandlish et al. 2018)
+GRADIENT_SQUARED_NORM = "squared_norm"  # the unbiased estimate of ‖G‖²
+GRADIENT_TRACE_COVARIANCE = "trace_covariance"  # the unbiased estimate of tr Σ
+GRADIENT_BATCH_SMALL = "batch_small"  # B_small: the micro-batches' harmonic mean size
+GRADIENT_BATCH_BIG = "batch_big"  # B_big = accumulate_grad_batches · B_small
