@@ -63,7 +63,7 @@ from dynamics.experiments.config_files import load_config
 from dynamics.experiments.runner import quiet_lightning
 from dynamics.experiments.teacher_student.data import TeacherStudentData
 from dynamics.experiments.teacher_student.module import TeacherStudentModule
-from dynamics.store import open_run
+from dynamics.store import SeriesSpec, names, open_run
 from dynamics.store.writer import RunWriter
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "teacher_student.yaml"
@@ -384,14 +384,71 @@ def main() -> None:
             for name in order if repeat % 2 == 0 else order[::-1]:  # no variant always first
                 run = setup.folder / f"run{repeat}-{order.index(name)}.h5"
                 fits[name].append(train(setup, VARIANTS[name], run))
-                run.unlink()  # a watcher of a folder would see every run: one file at a time
+                if repeat or name != "no watcher":
+                    run.unlink()  # a watcher of a folder would see every run: one at a time
             print(
                 f"repeat {repeat + 1}/{args.repeats}: "
                 + ", ".join(f"{name} {fits[name][-1].wall:.2f} s" for name in VARIANTS),
                 flush=True,
             )
+        recorded = setup.folder / f"run0-{order.index('no watcher')}.h5"
+        poll_cpu = steady_poll_cpu(recorded, setup.folder / "replayed.h5")
     client.close()
     report(fits, args)
+    print(
+        f"steady state, in one process: a poll of a file growing by {ROWS_PER_POLL} steps a "
+        f"second (every group of the fit's run) takes {1000 * statistics.median(poll_cpu):.1f} ms "
+        f"of CPU (median, max {1000 * max(poll_cpu):.1f} ms over {len(poll_cpu)} polls; the "
+        "answer's JSON included), what a watcher polled every second takes of a core"
+    )
+
+
+#: Steps a second of the fit's run (about its speed here), replayed into a file per poll.
+ROWS_PER_POLL = 180
+
+
+def steady_poll_cpu(recorded: Path, replayed: Path, polls: int = 30) -> list[float]:
+    """The CPU seconds of each of ``polls`` feed updates (and their JSON) of a file into which
+    the rows of the ``recorded`` run's per-step groups are written again, over and over with
+    increasing steps, :data:`ROWS_PER_POLL` steps between polls: a watcher's cost once its
+    figures are drawn, without the start of the fit's short run."""
+    from plotly.utils import PlotlyJSONEncoder
+
+    from dynamics.analysis.live.feed import Feed
+
+    run = open_run(recorded)
+    length = len(run.series(names.LOSS))
+    rows = {g: run.series(g) for g in run.groups if run.views(g) and len(run.series(g)) == length}
+    specs = {
+        g: {
+            n: SeriesSpec(v.shape[1:], columns=series.columns.get(n), view=series.views.get(n))
+            for n, v in series.values.items()
+        }
+        for g, series in rows.items()
+    }
+    writer = RunWriter.create(replayed, specs, {}, {"config": {}}, flush_interval_s=1e9)
+
+    def write(first: int) -> None:
+        for step in range(first, first + ROWS_PER_POLL):
+            for group, series in rows.items():
+                writer.append(group, step, {n: v[step % length] for n, v in series.values.items()})
+        writer.flush()
+
+    write(0)
+    feed = Feed(replayed)
+    drawn = feed.figures()
+    since, cpu = drawn["since"], []
+    for poll in range(1, polls + 1):
+        write(poll * ROWS_PER_POLL)
+        began = time.process_time()
+        update = feed.update(since, drawn["key"])
+        json.dumps(update, cls=PlotlyJSONEncoder)
+        cpu.append(time.process_time() - began)
+        for label, groups in update["rows"].items():
+            for group, new in groups.items():
+                since[label]["groups"][group] = new["step"][-1]
+    writer.close()
+    return cpu
 
 
 def report(fits: dict[str, list[Fit]], args: argparse.Namespace) -> None:
