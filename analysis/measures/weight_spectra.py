@@ -294,7 +294,7 @@ def weight_spectra(
     layout = run.attrs.get(names.ATTR_LAYOUT)  # read as text: no torch for an offline view
     if not layout:
         raise DynamicsError(f"{run.path}: no parameter layout stored")
-    states = run.stored_states()  # raises a RunFileError (a DynamicsError) without θ0
+    states = run.stored_states(buffers=False)  # raises a RunFileError (a DynamicsError) without θ0
     shapes = [tuple(int(d) for d in s) for s in layout["shapes"]]
     ends = np.cumsum([prod(s) for s in shapes])
     starts = ends - [prod(s) for s in shapes]

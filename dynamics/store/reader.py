@@ -335,12 +335,17 @@ class Run:
         data = self.attrs.get(names.ATTR_BUFFERS)
         return BufferLayout.from_dict(data) if data is not None else None
 
-    def stored_states(self) -> list[StoredState]:
+    def stored_states(self, buffers: bool = True) -> list[StoredState]:
         """θ0, every parameter snapshot and θT (those stored), in step order.
 
         Example::
 
             [state.step for state in run.stored_states()]  # θ0, the snapshots, θT
+
+        Args:
+            buffers: also read each state's buffers; without them (``buffers`` None in every
+                state) the buffers' layout is not read, and torch not imported: what an
+                offline measure of the parameters alone (weight spectra) asks.
 
         Raises:
             RunFileError: the run stores no θ0 (record with ParameterDisplacement).
@@ -348,17 +353,19 @@ class Run:
         theta0 = self.vector(names.THETA0)
         if theta0 is None:
             raise RunFileError(f"{self.path.name}: no θ0 stored (record ParameterDisplacement)")
-        states = [StoredState(0, "theta0", theta0, self._stored_buffers(names.THETA0_BUFFERS))]
+        stored = self._stored_buffers if buffers else lambda prefix: None
+        states = [StoredState(0, "theta0", theta0, stored(names.THETA0_BUFFERS))]
         snapshots = self.recorded(names.SNAPSHOTS)
         if snapshots is not None:
-            keys = [names.buffer_vector(names.SNAPSHOT_BUFFERS, d) for d in self._buffer_dtypes()]
-            recorded = self.buffer_layout is not None and all(k in snapshots.values for k in keys)
+            dtypes = self._buffer_dtypes() if buffers else ()
+            keys = [names.buffer_vector(names.SNAPSHOT_BUFFERS, d) for d in dtypes]
+            recorded = (
+                buffers
+                and self.buffer_layout is not None
+                and all(k in snapshots.values for k in keys)
+            )
             for i, step in enumerate(snapshots.step):
-                buffers = (
-                    {d: snapshots[k][i] for d, k in zip(self._buffer_dtypes(), keys)}
-                    if recorded
-                    else None
-                )
+                buffers = {d: snapshots[k][i] for d, k in zip(dtypes, keys)} if recorded else None
                 theta = snapshots[names.SNAPSHOT_THETA][i]
                 # Parameters a diverged training left are data; before it diverged, damage.
                 diverged = self.diverged_at is not None and step >= self.diverged_at
@@ -370,8 +377,8 @@ class Run:
                 states.append(StoredState(int(step), "snapshot", theta, buffers))
         final = self.vector(names.THETA_FINAL)
         if final is not None:
-            buffers = self._stored_buffers(names.THETA_FINAL_BUFFERS)
-            states.append(StoredState(self._final_step(), "theta_final", final, buffers))
+            final_buffers = stored(names.THETA_FINAL_BUFFERS)
+            states.append(StoredState(self._final_step(), "theta_final", final, final_buffers))
         return states
 
     def _buffer_dtypes(self) -> tuple[str, ...]:
