@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,6 +89,13 @@ class TrajectoryGeometry(Probe):
         self._params: list[torch.Tensor] = []
         self._in_optimizer: list[bool] = []  # per parameter: does an optimizer hold it
         self._params_held: list[torch.Tensor] = []  # the parameters themselves, for .grad
+        self._module: pl.LightningModule | None = None  # whose shards' .grad is read, sharded
+        # Per tensor: the gradient its optimizer was handed this step, read when the step
+        # returned (a plain loop may zero .grad before the step ends), or None. Unsharded,
+        # views of the copies in _grad_copies.
+        self._grads: list[torch.Tensor | None] = []
+        self._grad_copies: list[torch.Tensor | None] = []
+        self._hooks: list[Any] = []  # on the optimizers' steps
         self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for missing gradients
         self._theta0: list[torch.Tensor] | None = None  # this rank's part under sharding
         self._before: list[torch.Tensor] = []  # θt, copied before a step
@@ -118,6 +126,9 @@ class TrajectoryGeometry(Probe):
             )
         pieces = self._pieces(pl_module)
         device = pieces[0].device
+        self._grads = [None] * len(pieces)
+        if self.gradient_problem is None:
+            self._watch_steps(fit, pl_module, pieces)
         # float64 keeps the sum of many small lengths exact enough; MPS has no float64.
         self._sums = torch.float32 if device.type == "mps" else torch.float64
         if self._theta0 is None:  # a new path (a resumed fit restored its whole state instead)
@@ -181,6 +192,7 @@ class TrajectoryGeometry(Probe):
         # every rank holds a part and takes part in the step's all-reduce.
         if fit.is_global_zero or self._shards.sharded:
             torch._foreach_copy_(self._before, self._pieces(pl_module))
+            self._grads = [None] * len(self._grads)
             self._armed = True
 
     def on_step_end(self, fit, pl_module, batch, outputs, step) -> Rows:
@@ -206,7 +218,7 @@ class TrajectoryGeometry(Probe):
                 _squares(torch._foreach_add(update, previous), self._sums),
             ]
         if self.gradient_problem is None:
-            gradient = self._gradient(pl_module, update, step)
+            gradient = self._gradient(update, step)
             squares += (
                 [zeros, zeros]
                 if gradient is None
@@ -257,7 +269,10 @@ class TrajectoryGeometry(Probe):
         self._theta0, self._previous, self._path = None, None, None
         self._previous_squares, self._tensor_path, self.tensor_problem = None, None, None
         self._before, self._zeros, self._armed = [], {}, False
-        self._params_held = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._params_held, self._module = [], [], None
+        self._grads, self._grad_copies = [], []
 
     def state_dict(self) -> dict[str, Any]:
         if self._theta0 is None:
@@ -310,26 +325,55 @@ class TrajectoryGeometry(Probe):
         parts = torch.split(self._shards.part(flat), self._shards.here)
         return [t.to(p.device).view(p.shape) for t, p in zip(parts, pieces)]
 
-    def _gradient(
-        self, pl_module: pl.LightningModule, like: list[torch.Tensor], step: int
-    ) -> list[torch.Tensor] | None:
-        """This rank's part of the gradient per tensor, shaped as ``like`` (zeros for a
-        parameter outside every optimizer or without one), or None (with a note) when the
-        module has none at all."""
+    def _watch_steps(
+        self, fit: Fit, pl_module: pl.LightningModule, pieces: list[torch.Tensor]
+    ) -> None:
+        """Hook every optimizer's step to read the gradients of the tensors it holds."""
+        self._module = pl_module
+        index = {id(p): i for i, p in enumerate(self._params_held)}
+        self._grad_copies = [
+            torch.empty_like(p, dtype=_work_dtype(p)) if held and not self._shards.sharded else None
+            for p, held in zip(pieces, self._in_optimizer)
+        ]
+        for opt in fit.optimizers:
+            ids = {id(p) for g in opt.param_groups for p in g["params"]}
+            mine = sorted(i for key, i in index.items() if key in ids)
+            # Each optimizer's hook reads its own tensors: with several optimizers, each
+            # tensor's gradient is the one its own optimizer stepped with.
+            self._hooks.append(opt.register_step_post_hook(partial(self._stepped, mine)))
+
+    def _stepped(
+        self, tensors: list[int], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> None:
+        """When an optimizer's step returns, .grad of its tensors is what it was handed (after
+        clipping and unscaling; only the real step under accumulation): keep it."""
+        if not self._armed:
+            return
         if self._shards.sharded:
-            flat = self._shards.local_grad(pl_module)  # a copy: masked in place below
-            here = self._shards.here
-            grads = [None] * len(here) if flat is None else list(torch.split(flat, here))
-        else:  # the gradients themselves, no copy
-            grads = [p.grad for p in self._params_held]
-        grads = [g if held else None for g, held in zip(grads, self._in_optimizer)]
+            flat = self._shards.local_grad(self._module)  # a copy: this rank's part
+            if flat is not None:
+                parts = torch.split(flat, self._shards.here)
+                for i in tensors:
+                    self._grads[i] = parts[i]
+            return
+        present = [i for i in tensors if self._params_held[i].grad is not None]
+        if present:  # one foreach copy, on the device: no host sync
+            copies = [self._grad_copies[i] for i in present]
+            torch._foreach_copy_(copies, [self._params_held[i].grad for i in present])
+            for i, copy in zip(present, copies):
+                self._grads[i] = copy
+
+    def _gradient(self, like: list[torch.Tensor], step: int) -> list[torch.Tensor] | None:
+        """This rank's part of the gradient per tensor the optimizers stepped with, shaped as
+        ``like`` (zeros for a parameter outside every optimizer, without a gradient or whose
+        optimizer did not step), or None (with a note) when no optimizer stepped with one."""
+        grads = self._grads
         # Under sharding a rank may hold entries of frozen parameters only: it adds zeros, and
         # whether any rank had a gradient shows in the row (NaN when none had).
         if all(g is None for g in grads) and not self._shards.sharded:
             self._note_once(
                 step,
-                "no parameter had a gradient when the optimizer step ended; gradient_cosine "
-                "recorded NaN",
+                "no optimizer stepped with a gradient this step; gradient_cosine recorded NaN",
             )
             return None
         return [
@@ -350,11 +394,13 @@ class TrajectoryGeometry(Probe):
 
 def _gradient_problem(fit: Fit, pl_module: pl.LightningModule) -> str | None:
     """Why the gradient an update was made from cannot be known, or None."""
-    if not pl_module.automatic_optimization:
+    # A LightningModule's flag; a plain module (a plain loop, the Hugging Face Trainer) steps
+    # its optimizers the automatic way.
+    if not getattr(pl_module, "automatic_optimization", True):
         return (
             "manual optimization: the module calls zero_grad, backward, clipping and step "
-            "itself, possibly for several optimizers, so .grad after the batch need not be the "
-            "gradient any step used"
+            "itself, possibly for several optimizers, so .grad when a step returns need not be "
+            "the gradient that step used"
         )
     if any(isinstance(opt, torch.optim.LBFGS) for opt in fit.optimizers):
         return (

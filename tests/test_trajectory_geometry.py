@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import dynamics
 from dynamics import open_run
 from dynamics.analysis.pages.run_comparison import write_comparison
 from dynamics.analysis.pages.run_report import write_report
@@ -362,3 +363,78 @@ def test_a_resumed_fit_continues_the_same_path(tmp_path):
     assert names.TRAJECTORY_PATH_LENGTH_PER_TENSOR not in run.series(names.TRAJECTORY).values
     assert_rows(run, hand_computed(7, batch_size=4), range(7))
     assert any("per-tensor series not recorded: resumed" in e.message for e in run.events())
+
+
+class PlainQuadratic(nn.Module):
+    """Quadratic's model as a plain module: no ``automatic_optimization`` to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.tensor(THETA0[:2], dtype=torch.float32))
+        self.second = nn.Parameter(torch.tensor(THETA0[2:, None], dtype=torch.float32))
+        self.register_buffer("curvature", torch.tensor(CURVATURE, dtype=torch.float32))
+
+    def forward(self, batch) -> torch.Tensor:
+        return Quadratic.compute_loss(self, batch)
+
+
+def plain_loop(path, steps, second_optimizer=False):
+    """A plain loop under ``dynamics.record`` that zeroes .grad right after each step, as plain
+    loops do; returns θ before each step, θ after the last and each step's gradient, captured
+    inside the loop (the gradient concatenated over both tensors)."""
+    net = PlainQuadratic()
+    if second_optimizer:  # one optimizer per tensor: each hook reads its own tensor
+        optimizers = [
+            torch.optim.SGD([net.first], lr=LR, momentum=MOMENTUM),
+            torch.optim.SGD([net.second], lr=LR, momentum=MOMENTUM),
+        ]
+    else:
+        optimizers = [torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)]
+    data = torch.tensor(TARGETS, dtype=torch.float32)
+    thetas, gradients = [], []
+    flat = lambda tensors: torch.cat([t.detach().reshape(-1) for t in tensors]).double().numpy()  # noqa: E731
+    probes = [TrajectoryGeometry(per_tensor=True)]
+    with dynamics.record(path, net, optimizers, probes=probes) as rec:
+        for t in range(steps):
+            batch = (data[2 * t % len(data) :][:2],)
+            with rec.batch(batch):
+                thetas.append(flat(net.parameters()))
+                net(batch).backward()
+                gradients.append(flat(p.grad for p in net.parameters()))
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad()  # .grad is gone before the step ends
+    thetas.append(flat(net.parameters()))
+    return open_run(path), thetas, gradients
+
+
+def test_a_plain_loop_that_zeroes_the_gradient_after_the_step_records_its_cosine(tmp_path):
+    """cos(θt+1 − θt, −gt) by hand from the θ and .grad the loop saw: reading .grad at the
+    step's end (zeros by then) would record NaN."""
+    steps = 5
+    run, thetas, gradients = plain_loop(tmp_path / "plain.h5", steps)
+    recorded = run.series(names.TRAJECTORY)
+    updates = [b - a for a, b in zip(thetas, thetas[1:])]
+    want = [_cos(u, -g) for u, g in zip(updates, gradients)]
+    np.testing.assert_allclose(recorded[names.TRAJECTORY_GRADIENT_COSINE], want, rtol=1e-5)
+    want_tensors = [[_cos(u[t], -g[t]) for t in TENSORS] for u, g in zip(updates, gradients)]
+    np.testing.assert_allclose(
+        recorded[names.TRAJECTORY_GRADIENT_COSINE_PER_TENSOR], want_tensors, rtol=1e-5
+    )
+    assert not run.events()  # no note: the probe measured
+
+
+def test_a_plain_loop_and_lightning_record_the_same_series(tmp_path):
+    """The same model, data and optimizer: the plain loop (one optimizer, or one per tensor,
+    each hook reading its own tensor) records Lightning's rows to the bit."""
+    steps = 5
+    lightning = fit(
+        Quadratic(), tmp_path / "pl.h5", [TrajectoryGeometry(per_tensor=True)], max_steps=steps
+    ).series(names.TRAJECTORY)
+    for second in (False, True):
+        run, _, _ = plain_loop(tmp_path / f"plain{second}.h5", steps, second_optimizer=second)
+        plain = run.series(names.TRAJECTORY)
+        assert set(plain.values) == set(lightning.values)
+        np.testing.assert_array_equal(plain.step, lightning.step)
+        for name, values in lightning.values.items():
+            np.testing.assert_array_equal(plain[name], values, err_msg=f"{name} {second}")
