@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dynamics import world
 from dynamics.callbacks.fit import Fit
 from dynamics.callbacks.probe import Probe, ProbeUnavailable, Rows, SeriesSpec, parameter_shards
 from dynamics.callbacks.trajectory_geometry import GRADIENT_DEFINITION
 from dynamics.params.naming import named_parameters
+from dynamics.passes.isolation import in_extra_pass
 from dynamics.store import View, names
 
 #: How the norms are drawn (declared with them).
@@ -57,6 +59,19 @@ NOISE_DEFINITION = (
     "tr Σ = B_small·(A − C)/(1 − 1/k). Assumes each micro-batch's loss is a mean over its b_j "
     "samples; its scale cancels in B_simple"
 )
+#: How the noise scale is estimated under DDP, stored with the probe's settings.
+PER_RANK_NOISE_DEFINITION = (
+    "B_simple = tr Σ / ‖G‖² from the unbiased estimators of McCandlish et al. 2018, Appendix A, "
+    "at two batch sizes: each rank's gradient of each micro-batch G_rj (the gradient a tensor "
+    "hook on each parameter receives from that micro-batch's backward, before it is accumulated "
+    "into .grad and before DDP averages it over the R ranks, times accumulate_grad_batches k) at "
+    "B_small, and the all-reduced accumulated gradient before clipping at B_big; with n = R·k, "
+    "1/B_small is the mean of the n micro-batches' 1/b_rj and B_big = n·B_small. With "
+    "A = mean_rj ‖G_rj‖² (summed over the ranks in one all-reduce of three scalars) and "
+    "C = ‖Σ_rj G_rj / n‖²: ‖G‖² = (n·C − A)/(n − 1) and tr Σ = B_small·(A − C)/(1 − 1/n). "
+    "Assumes each micro-batch's loss is a mean over its b_rj samples; its scale cancels in "
+    "B_simple"
+)
 
 
 def first_dimension(batch: Any) -> int:
@@ -93,7 +108,8 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
 
 class GradientStats(Probe):
     """Gradient norms per tensor and in total, before and after clipping, and the gradient
-    noise scale B_simple from the micro-batches of gradient accumulation.
+    noise scale B_simple from the micro-batches of gradient accumulation or, under DDP, from
+    each rank's micro-batches (read by tensor hooks before DDP averages them).
 
     What it records, cost, when it steps aside and pitfalls: ``docs/probes/gradient_stats.md``.
 
@@ -130,8 +146,11 @@ class GradientStats(Probe):
         self._micro_batches = 0  # counted this step
         self._before: torch.Tensor | None = None  # ‖g‖² before clipping, this step
         self._after: torch.Tensor | None = None  # ‖g_i‖² when the optimizer stepped, this step
-        self._hooks: list[Any] = []  # on the optimizers' steps
+        self._hooks: list[Any] = []  # on the optimizers' steps and, under DDP, the parameters
         self._armed = False
+        self._per_rank = False  # under DDP: the noise scale from each rank's local gradients
+        self._collecting = False  # every rank, at a due step under DDP
+        self._local: list[torch.Tensor] = []  # ‖g‖² per tensor hook call, this micro-batch
         self._noted: set[str] = set()
 
     def setup(self, fit: Fit, module: nn.Module, batch: Any) -> None:
@@ -157,13 +176,6 @@ class GradientStats(Probe):
                 f"the {fit.loop} loop has no point between the last backward and gradient clipping"
             )
             self.noise_problem = self.before_clip_problem
-        elif fit.world_size > 1:
-            # The last micro-batch's backward all-reduces .grad, so its own contribution (and
-            # each rank's) is gone by the time a hook sees it.
-            self.noise_problem = (
-                "under DDP the last micro-batch's backward all-reduces .grad, so neither that "
-                "micro-batch's gradient nor each rank's is left to read"
-            )
         elif fit.precision in ("16-mixed", "16"):
             # A gradient scaler unscales .grad once, before the step: the micro-batches before
             # the last are still scaled (by a factor only a host sync would read).
@@ -171,6 +183,10 @@ class GradientStats(Probe):
                 "under 16-mixed precision the micro-batches' gradients before the last are "
                 "still multiplied by the gradient scaler's scale"
             )
+        elif fit.world_size > 1:
+            # DDP all-reduces .grad in the last micro-batch's backward; a tensor hook receives
+            # each backward's local gradient before it is accumulated and reduced.
+            self._per_rank = True
         elif self._accumulation == 1:
             self.noise_problem = (
                 "one micro-batch per step on one process: B_small = B_big, so B_simple cannot "
@@ -182,11 +198,13 @@ class GradientStats(Probe):
         ):
             if problem:
                 self._note_once(fit.global_step, f"{what} not recorded: {problem}")
-        if self.noise_problem is None:  # one copy of the gradients, to difference micro-batches
+        if self._per_rank:  # a hook runs once per backward, with the summed uses' gradient
+            self._hooks = [p.register_hook(self._received) for p in self._params]
+        elif self.noise_problem is None:  # one copy of the gradients, to difference them
             self._previous = [torch.zeros_like(p) for p in self._params]
         # When the optimizer's step returns, .grad is what it was handed, in every loop; a plain
         # loop's zero_grad may follow before the step ends.
-        self._hooks = [opt.register_step_post_hook(self._stepped) for opt in fit.optimizers]
+        self._hooks += [opt.register_step_post_hook(self._stepped) for opt in fit.optimizers]
 
     def series(self) -> dict[str, dict[str, SeriesSpec]]:
         shape, columns = (len(self._tensor_names),), tuple(self._tensor_names)
@@ -211,7 +229,11 @@ class GradientStats(Probe):
                 else "after the last backward and AMP unscaling, before gradient clipping"
             ),
             "noise_scale": (
-                f"not measured: {self.noise_problem}" if self.noise_problem else NOISE_DEFINITION
+                f"not measured: {self.noise_problem}"
+                if self.noise_problem
+                else PER_RANK_NOISE_DEFINITION
+                if self._per_rank
+                else NOISE_DEFINITION
             ),
             "batch_size": getattr(self.batch_size, "__name__", repr(self.batch_size)),
         }
@@ -221,27 +243,35 @@ class GradientStats(Probe):
         self._armed = fit.is_global_zero
         self._before = self._after = None
         self._small, self._inverse_sizes, self._micro_batches = 0.0, 0.0, 0
+        self._collecting = self._per_rank  # every rank's local gradients count
+        self._local = []
         if self._armed and self._previous:
             torch._foreach_zero_(self._previous)  # .grad still holds the last step's gradient
 
     def on_micro_batch_end(
         self, fit: Fit, module: nn.Module, batch: Any, outputs: Any, step: int
     ) -> None:
-        if not self._armed or self.noise_problem:
+        if not (self._armed or self._collecting) or self.noise_problem:
             return
         self._inverse_sizes = self._inverse_sizes + 1.0 / self.batch_size(batch)
         self._micro_batches += 1
-        if self._before is None:  # not the last micro-batch: the optimizer has not stepped
+        if self._per_rank:  # G_rj = k·(this backward's local gradient)
+            if self._local:
+                square = torch.stack(self._local).sum() * self._accumulation**2
+                self._small = self._small + square
+            self._local = []
+        elif self._before is None:  # not the last micro-batch: the optimizer has not stepped
             self._small = self._small + self._contribution()
 
     def on_before_optimizer_step(self, fit: Fit, module: nn.Module, step: int) -> None:
         if not self._armed:
             return
         self._before = _squares(self._grads(), self._dtype).sum()
-        if self.noise_problem is None:
+        if self.noise_problem is None and not self._per_rank:
             self._small = self._small + self._contribution()
 
     def on_step_end(self, fit: Fit, module: nn.Module, batch: Any, outputs: Any, step: int) -> Rows:
+        totals = self._rank_totals(fit) if self._collecting else None
         if not self._armed:
             return {}
         self._armed = False
@@ -264,8 +294,10 @@ class GradientStats(Probe):
             if before is None:  # e.g. a step a gradient scaler skipped before the hook
                 before = torch.full((), math.nan, dtype=self._dtype, device=self._device)
             rows[names.GRADIENT_NORM_BEFORE_CLIP] = before.sqrt()
-        if self.noise_problem is None:
-            rows |= self._noise(step)
+        if totals is not None:
+            rows |= self._noise(step, *totals)
+        elif self.noise_problem is None:
+            rows |= self._noise(step, self._small, self._inverse_sizes, self._accumulation)
         return {names.GRADIENT_STATS: rows}
 
     def teardown(self) -> None:
@@ -273,7 +305,31 @@ class GradientStats(Probe):
             hook.remove()
         self._hooks, self._params, self._previous = [], [], []
         self._before = self._after = None
-        self._armed = False
+        self._armed = self._collecting = False
+        self._local = []
+
+    def _received(self, grad: torch.Tensor) -> None:
+        """A tensor hook: ‖g‖² of the gradient this backward sends into a parameter's .grad,
+        this rank's alone (DDP reduces after accumulation). None: the gradient is unchanged."""
+        if self._collecting and not in_extra_pass():  # other probes' autograd.grad passes too
+            self._local.append(torch.linalg.vector_norm(grad).to(self._dtype).square())
+
+    def _rank_totals(self, fit: Fit) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """Σ ‖G_rj‖², Σ 1/b_rj and the count of micro-batches over every rank (one all-reduce
+        of three scalars, on every rank), with the count a full step has, R·k."""
+        self._collecting = False
+        if self._micro_batches != self._accumulation:
+            self._note_once(
+                fit.global_step,
+                f"a step of {self._micro_batches} micro-batches, not {self._accumulation}, on "
+                "a rank: its noise scale is NaN",
+            )
+        scalars = [
+            torch.as_tensor(value, dtype=self._dtype, device=self._device)
+            for value in (self._small, self._inverse_sizes, self._micro_batches)
+        ]
+        small, inverse, count = world.all_reduce(scalars)
+        return small, inverse, fit.world_size * self._accumulation, count
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._armed:
@@ -292,28 +348,39 @@ class GradientStats(Probe):
         torch._foreach_copy_(self._previous, grads)
         return square
 
-    def _noise(self, step: int) -> dict[str, torch.Tensor]:
-        k = self._micro_batches
+    def _noise(
+        self,
+        step: int,
+        small_sum: torch.Tensor | float,
+        inverse_sum: torch.Tensor | float,
+        k: int,
+        count: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The estimates from k small batches (k = R·k under DDP, whose ``count`` over the
+        ranks makes a step with another count NaN on the device, without a host sync)."""
         one = torch.ones((), dtype=self._dtype, device=self._device)
-        if self._before is None or k != self._accumulation:
+        if self._before is None or (count is None and self._micro_batches != k):
             self._note_once(
                 step,
-                f"a step of {k} micro-batches, not {self._accumulation}, or without the hook "
-                "before clipping: its noise scale is NaN",
+                f"a step of {self._micro_batches} micro-batches, not {self._accumulation}, or "
+                "without the hook before clipping: its noise scale is NaN",
             )
             return {name: one * math.nan for name in NOISE_VIEWS}
-        small = self._small / k  # A = mean_j ‖G_j‖²
+        small = small_sum / k  # A = mean_j ‖G_j‖²
         big = self._before  # C = ‖mean_j G_j‖²
-        inverse = self._inverse_sizes / k  # mean_j 1/b_j = 1/B_small
+        inverse = inverse_sum / k  # mean_j 1/b_j = 1/B_small
         trace = (small - big) / (inverse * (1 - 1 / k))
         squared = (k * big - small) / (k - 1)
-        return {
+        rows = {
             names.GRADIENT_NOISE_SCALE: trace / squared,
             names.GRADIENT_SQUARED_NORM: squared,
             names.GRADIENT_TRACE_COVARIANCE: trace,
             names.GRADIENT_BATCH_SMALL: one / inverse,
             names.GRADIENT_BATCH_BIG: one * k / inverse,
         }
+        if count is not None:  # a rank's step of another count: NaN
+            rows = {name: torch.where(count == k, v, math.nan) for name, v in rows.items()}
+        return rows
 
     def _note_once(self, step: int, message: str) -> None:
         if message not in self._noted:

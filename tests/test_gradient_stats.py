@@ -270,54 +270,80 @@ def test_an_sdpa_transformer_records_finite_rows(tmp_path, quiet_trainer):
     assert (rows[names.GRADIENT_BATCH_SMALL] > 4).all()  # tokens, not sequences
 
 
-def test_ddp_records_the_norms_of_one_process_over_the_global_batch(
-    tmp_path, quiet_trainer, monkeypatch
+def _rank_batches(data, k, b, steps):
+    """Each step's micro-batches of each rank, as Lightning's shuffled DistributedSampler deals
+    them (seed PL_GLOBAL_SEED = 0): [step][rank][micro-batch] → sample indices."""
+    ranks = [list(DistributedSampler(data, 2, r, shuffle=True, seed=0)) for r in range(2)]
+    return [
+        [[order[(s * k + j) * b : (s * k + j + 1) * b] for j in range(k)] for order in ranks]
+        for s in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_ddp_records_the_per_rank_noise_scale_of_a_hand_computation(
+    tmp_path, quiet_trainer, monkeypatch, k
 ):
+    """Two ranks, k micro-batches each: the R·k small batches are each rank's micro-batches,
+    the big batch their union; the norms are those of one process over the global batch."""
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # the seed of Lightning's DistributedSampler
+    b, lr, steps = 4 // k, 0.1, 2
     x, y = _batches([16])[0]
     data = TensorDataset(x, y)
-    # Lightning gives each rank a shuffled DistributedSampler; one process takes, at each
-    # step, the union of the two ranks' batches of 4 (the mean of equal-sized means).
-    ranks = [list(DistributedSampler(data, 2, r, shuffle=True, seed=0)) for r in range(2)]
-    union = [ranks[0][s * 4 : (s + 1) * 4] + ranks[1][s * 4 : (s + 1) * 4] for s in range(2)]
-    one = _fit(
-        LeastSquares(),
-        DataLoader([(x[i], y[i]) for i in union], batch_size=None),
-        [GradientStats()],
-        tmp_path / "one.h5",
-        quiet_trainer,
-        max_steps=2,
-    ).series(G)
-    ddp = _fit(
-        LeastSquares(),
-        DataLoader(data, batch_size=4),
-        [GradientStats()],
-        tmp_path / "ddp.h5",
-        quiet_trainer,
-        max_steps=2,
-        strategy="ddp_fork",
-        devices=2,
-    )
-    rows = ddp.series(G)
-    for name in (names.GRADIENT_NORM, names.GRADIENT_NORM_PER_TENSOR):
-        np.testing.assert_allclose(rows[name], one[name], rtol=1e-5, err_msg=name)
-    assert not set(NOISE) & set(rows.values)
-
-
-def test_ddp_with_accumulation_steps_the_noise_scale_aside_with_a_note(tmp_path, quiet_trainer):
+    module = LeastSquares(lr)
+    w = module.linear.weight.detach().double().numpy()[0]
+    c = float(module.linear.bias.detach().double())
     run = _fit(
-        LeastSquares(),
-        DataLoader(TensorDataset(*_batches([16])[0]), batch_size=2),
+        module,
+        DataLoader(data, batch_size=b),
         [GradientStats()],
         tmp_path / "ddp.h5",
         quiet_trainer,
-        max_steps=1,
+        max_steps=steps,
         strategy="ddp_fork",
         devices=2,
-        accumulate_grad_batches=2,
+        accumulate_grad_batches=k,
     )
-    assert not set(NOISE) & set(run.series(G).values)
-    assert any("all-reduces" in e.message for e in run.events() if e.probe == G)
+    rows = run.series(G)
+    xs, ys = x.double().numpy(), y.double().numpy()
+    n = 2 * k
+    for step, ranks in enumerate(_rank_batches(data, k, b, steps)):
+        small = [_per_sample(w, c, xs[i], ys[i]).mean(0) for rank in ranks for i in rank]
+        mean = np.mean(small, axis=0)  # DDP's mean over ranks of each rank's mean over k
+        a = np.mean([g @ g for g in small])
+        trace = b * (a - mean @ mean) / (1 - 1 / n)
+        squared = (n * mean @ mean - a) / (n - 1)
+        expected = {
+            names.GRADIENT_NORM: np.linalg.norm(mean),
+            names.GRADIENT_NORM_BEFORE_CLIP: np.linalg.norm(mean),
+            names.GRADIENT_NOISE_SCALE: trace / squared,
+            names.GRADIENT_SQUARED_NORM: squared,
+            names.GRADIENT_TRACE_COVARIANCE: trace,
+            names.GRADIENT_BATCH_SMALL: b,
+            names.GRADIENT_BATCH_BIG: n * b,
+        }
+        for name, value in expected.items():  # float32 training against float64
+            np.testing.assert_allclose(rows[name][step], value, rtol=1e-5, err_msg=name)
+        w, c = w - lr * mean[:3], c - lr * mean[3]
+
+
+def test_ddp_training_is_bit_identical_with_and_without_the_probe(tmp_path, quiet_trainer):
+    params = []
+    for probes in ([], [GradientStats()]):
+        module = LeastSquares()
+        quiet_trainer(
+            max_steps=3,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.05,
+            strategy="ddp_fork",
+            devices=2,
+            callbacks=[DynamicsRecorder(tmp_path / f"r{len(probes)}.h5", probes)],
+        ).fit(module, DataLoader(TensorDataset(*_batches([24])[0]), batch_size=2))
+        params.append([p.detach().clone() for p in module.parameters()])  # rank 0's, returned
+    assert not torch.equal(params[0][0], LeastSquares().linear.weight)  # it trained
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+    rows = open_run(tmp_path / "r1.h5").series(G)
+    assert all(np.isfinite(rows[name]).all() for name in NOISE)
 
 
 def test_the_default_batch_size_is_the_first_dimension_of_the_first_tensor():
