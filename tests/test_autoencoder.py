@@ -125,7 +125,7 @@ HEATMAPS = """JSON.stringify([...document.querySelectorAll('.plotly-graph-div')]
 @pytest.mark.parametrize(("page", "figures", "panels"), [("report", 2, 3), ("compare", 3, 2)])
 def test_image_grids_render_in_a_browser(pages, page, figures, panels):
     browser = pytest.importorskip("tests.test_browser")
-    if browser.CHROMIUM is None:
+    if pytest.importorskip("tests.devtools").CHROMIUM is None:
         pytest.skip("no Chromium found (apt-get install chromium; CI installs it)")
     folder, _ = pages
     devtools = browser.DevTools(folder / f"profile-{page}")

@@ -179,7 +179,7 @@ def test_claims_of_experiments_left_out_are_not_run(reproduced):
 
 def test_the_report_renders_in_a_browser(reproduced):
     browser = pytest.importorskip("tests.test_browser")
-    if browser.CHROMIUM is None:
+    if pytest.importorskip("tests.devtools").CHROMIUM is None:
         pytest.skip("no Chromium found (apt-get install chromium; CI installs it)")
     folder, _ = reproduced
     devtools = browser.DevTools(folder / "profile")
