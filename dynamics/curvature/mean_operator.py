@@ -25,12 +25,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dynamics import world
-from dynamics.curvature.operator import _check_params, twice_differentiable
+from dynamics.curvature.operator import FlatParameterOperator, twice_differentiable
 from dynamics.params.vectors import flatten
 
 
-class MeanHessianOperator:
+class MeanHessianOperator(FlatParameterOperator):
     """Hessian-vector products of the mean of ``loss_fns``' losses, with respect to ``params``.
 
     Each batch weighs the same (1/N), whatever its size: each ``loss_fn`` is already its own
@@ -79,11 +78,8 @@ class MeanHessianOperator:
     ) -> None:
         if not loss_fns:
             raise ValueError("loss_fns is empty")
-        self.params = list(params)
-        _check_params(self.params)
+        super().__init__(params, average_across_ranks)
         self._fns = list(loss_fns)
-        self._numels = [p.numel() for p in self.params]
-        self._world = world.world_size() if average_across_ranks else 1
         self.keep_graphs = keep_graphs
         self.n_hvp = 0
         self.n_batch_hvp = 0
@@ -104,18 +100,6 @@ class MeanHessianOperator:
         self.gradient = self._mean_over_ranks(torch.stack(gradients).mean(0))
 
     @property
-    def size(self) -> int:
-        return sum(self._numels)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.params[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
-
-    @property
     def n_batches(self) -> int:
         return len(self._fns)
 
@@ -125,7 +109,7 @@ class MeanHessianOperator:
         self.n_hvp += 1
         total = torch.zeros(self.size, dtype=self.dtype, device=self.device)
         for i in range(self.n_batches):
-            total += self._product(i, chunks)
+            total += self._batch_product(i, chunks)
         return self._mean_over_ranks(total / self.n_batches)
 
     def batch_matvec(self, index: int, vector: torch.Tensor) -> torch.Tensor:
@@ -133,14 +117,7 @@ class MeanHessianOperator:
         :meth:`matvec` is: the Hessian of the mean over ranks of their ``index``-th batch)."""
         chunks = self._chunks(vector)
         self.n_batch_hvp += 1
-        return self._mean_over_ranks(self._product(index, chunks))
-
-    def _chunks(self, vector: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if vector.shape != (self.size,):
-            raise ValueError(
-                f"expected a vector of shape ({self.size},), got {tuple(vector.shape)}"
-            )
-        return torch.split(vector.to(device=self.device, dtype=self.dtype), self._numels)
+        return self._mean_over_ranks(self._batch_product(index, chunks))
 
     def _gradient_graph(
         self, fn: Callable[[], torch.Tensor], *, create_graph: bool
@@ -158,29 +135,11 @@ class MeanHessianOperator:
             )
         return loss, grads
 
-    def _product(self, index: int, chunks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _batch_product(self, index: int, chunks: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """``H_index`` times the vector split into ``chunks``, on this rank alone."""
         if self.keep_graphs:
             graph = self._graphs[index]
         else:
             _, grads = self._gradient_graph(self._fns[index], create_graph=True)
             graph = [g if g.requires_grad else None for g in grads]
-        # A gradient block with no graph (loss linear or absent in that tensor) has zero rows.
-        live = [i for i, g in enumerate(graph) if g is not None]
-        if not live:
-            return torch.zeros(self.size, dtype=self.dtype, device=self.device)
-        with torch.enable_grad():
-            products = torch.autograd.grad(
-                [graph[i] for i in live],
-                self.params,
-                grad_outputs=[chunks[i].view_as(self.params[i]) for i in live],
-                retain_graph=self.keep_graphs,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-        return flatten(products)
-
-    def _mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._world == 1:
-            return tensor
-        return world.average(tensor)
+        return self._product(graph, chunks, retain_graph=self.keep_graphs)

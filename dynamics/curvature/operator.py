@@ -52,7 +52,76 @@ class LinearOperator(Protocol):
     def matvec(self, vector: torch.Tensor) -> torch.Tensor: ...
 
 
-class HessianOperator:
+class FlatParameterOperator:
+    """What every operator on the flat vector of ``params`` shares: its size, dtype and device,
+    splitting a vector into the parameters' pieces, one product through a gradient graph, and
+    the average over ranks. :class:`HessianOperator` and
+    :class:`~dynamics.curvature.MeanHessianOperator` are its two kinds.
+
+    Args:
+        params: the tensors (all float32, or all float64, on one device), flattened in order.
+        average_across_ranks: average over the ranks of the default ``torch.distributed``
+            group whatever :meth:`_mean_over_ranks` is given.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], average_across_ranks: bool) -> None:
+        self.params = list(params)
+        _check_params(self.params)
+        self._numels = [p.numel() for p in self.params]
+        self._world = world.world_size() if average_across_ranks else 1
+
+    @property
+    def size(self) -> int:
+        return sum(self._numels)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def _chunks(self, vector: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``vector`` (checked to be of the operator's size) split into the parameters' pieces."""
+        if vector.shape != (self.size,):
+            raise ValueError(
+                f"expected a vector of shape ({self.size},), got {tuple(vector.shape)}"
+            )
+        return torch.split(vector.to(device=self.device, dtype=self.dtype), self._numels)
+
+    def _product(
+        self,
+        graph: Sequence[torch.Tensor | None],
+        chunks: Sequence[torch.Tensor],
+        retain_graph: bool,
+    ) -> torch.Tensor:
+        """The Hessian of the loss whose gradient is ``graph`` times the vector in ``chunks``,
+        on this rank alone. A gradient block without a graph (None: the loss is linear in, or
+        absent from, that tensor) has zero rows and is left out."""
+        live = [i for i, g in enumerate(graph) if g is not None]
+        if not live:
+            return torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        with torch.enable_grad():
+            products = torch.autograd.grad(
+                [graph[i] for i in live],
+                self.params,
+                grad_outputs=[chunks[i].view_as(self.params[i]) for i in live],
+                retain_graph=retain_graph,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+        return flatten(products)
+
+    def _mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world == 1:
+            return tensor
+        # SUM then divide (world.average) works on every backend and gives every rank the same
+        # bits, so the ranks' iterations never diverge.
+        return world.average(tensor)
+
+
+class HessianOperator(FlatParameterOperator):
     """Hessian-vector products of ``loss_fn()`` with respect to ``params``.
 
     The loss and its gradient graph are computed once, in the constructor, under
@@ -89,10 +158,7 @@ class HessianOperator:
         *,
         average_across_ranks: bool = False,
     ) -> None:
-        self.params = list(params)
-        _check_params(self.params)
-        self._numels = [p.numel() for p in self.params]
-        self._world = world.world_size() if average_across_ranks else 1
+        super().__init__(params, average_across_ranks)
         self.n_hvp = 0
         with torch.enable_grad(), twice_differentiable():
             loss = loss_fn()
@@ -107,50 +173,13 @@ class HessianOperator:
                 loss, self.params, create_graph=True, allow_unused=True, materialize_grads=True
             )
         self.gradient = self._mean_over_ranks(flatten(grads))
-        # A gradient block that is constant (loss linear or absent in that tensor) has no graph;
-        # its rows of the Hessian are zero and it is left out of the products.
-        self._live = [i for i, g in enumerate(grads) if g.requires_grad]
-        self._grads = [grads[i] for i in self._live]
-
-    @property
-    def size(self) -> int:
-        return sum(self._numels)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.params[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
+        self._graph = [g if g.requires_grad else None for g in grads]
 
     def matvec(self, vector: torch.Tensor) -> torch.Tensor:
         """The product ``H @ vector`` as a flat vector of the operator's dtype."""
-        if vector.shape != (self.size,):
-            raise ValueError(
-                f"expected a vector of shape ({self.size},), got {tuple(vector.shape)}"
-            )
+        chunks = self._chunks(vector)
         self.n_hvp += 1
-        if not self._grads:
-            return torch.zeros(self.size, dtype=self.dtype, device=self.device)
-        chunks = torch.split(vector.to(device=self.device, dtype=self.dtype), self._numels)
-        with torch.enable_grad():
-            products = torch.autograd.grad(
-                self._grads,
-                self.params,
-                grad_outputs=[chunks[i].view_as(self.params[i]) for i in self._live],
-                retain_graph=True,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-        return self._mean_over_ranks(flatten(products))
-
-    def _mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._world == 1:
-            return tensor
-        # SUM then divide (world.average) works on every backend and gives every rank the same
-        # bits, so the ranks' iterations never diverge.
-        return world.average(tensor)
+        return self._mean_over_ranks(self._product(self._graph, chunks, retain_graph=True))
 
 
 @contextmanager
