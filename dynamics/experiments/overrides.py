@@ -7,6 +7,7 @@ file's key would be, by :func:`~dynamics.experiments.config_files.load_config`.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -62,10 +63,17 @@ def parse_value(text: str, parameter: str = "set", key: str = "") -> Any:
     if not text.strip():
         raise ParameterError(parameter, f"{where}needs a value after '='")
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError as error:
         first = str(error).strip().splitlines()[0]
         raise ParameterError(parameter, f"{where}{text!r} is not a value ({first})") from None
+    # YAML 1.1 reads 1e-3 (no dot) as a string; it is plainly the number (as YAML 1.2 reads it).
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _split(text: str, parameter: str) -> tuple[str, str]:
