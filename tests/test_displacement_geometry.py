@@ -75,6 +75,23 @@ def test_angle_and_in_plane_shares_match_the_closed_form(scripted) -> None:
     np.testing.assert_allclose(share_b[1:], [1.0, 1.0, 1.0], rtol=1e-6)
 
 
+def test_the_in_plane_paths_angle_in_both_coordinates_and_the_gradients_angle(tmp_path) -> None:
+    # g0 of A is −e1, of B −(e1 + e2): 45° apart. θ1 of A is e1 = −ĝA, of B e1 + e2 = −√2 ĝB,
+    # so in the unit gradients' oblique coordinates the paths are (−1, 0) and (0, −√2), at 90°,
+    # where the plane's orthonormal coordinates (−1, 0) and (−1, −1) put them at 45°. A then
+    # leaves the plane along e3 (its in-plane path unchanged), B doubles its step.
+    a = open_run(_record(tmp_path / "a.h5", np.array([E1, E3])))
+    b = open_run(_record(tmp_path / "b.h5", np.array([E1 + E2, E1 + E2])))
+    geometry = displacement_geometry(a, b)
+    assert not isinstance(geometry, str), geometry
+    np.testing.assert_allclose(geometry.gradient_cosine, 1 / np.sqrt(2), rtol=1e-6)
+    np.testing.assert_allclose(geometry.path_cosine[1:], [1 / np.sqrt(2)] * 2, rtol=1e-6)
+    np.testing.assert_allclose(geometry.oblique_cosine[1:], [0.0, 0.0], atol=1e-6)
+    # θ2 of A is e1 + e3, of B 2(e1 + e2): cos = 2 / (√2 · 2√2) = 1/2 for the whole displacements
+    np.testing.assert_allclose(geometry.cosine[1:], [1 / np.sqrt(2), 0.5], rtol=1e-6)
+    assert np.isnan(geometry.path_cosine[0]) and np.isnan(geometry.oblique_cosine[0])
+
+
 def test_compare_shows_the_angle_in_its_table_and_figures(scripted, dynamics, tmp_path) -> None:
     out = tmp_path / "compare.html"
     result = dynamics("compare", *scripted, "-o", out, "--barrier-points", "0")
