@@ -45,6 +45,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="every experiment trains this many steps, evaluating 10 times (a smoke test)",
     )
     reproduce.add_argument("--seeds", metavar="0-4|0,2,3", help="every experiment's seeds")
+    reproduce.add_argument(
+        "--no-sensitivity",
+        action="store_true",
+        help="leave out the sensitivity section (the controlled experiment in other setups)",
+    )
     reproduce.add_argument("--no-progress", action="store_true", help="no line per run")
     reproduce.set_defaults(handler=handle)
 
@@ -53,6 +58,8 @@ def handle(args: argparse.Namespace) -> int:
     """Run the plan, print each claim's verdict and where the report went."""
     from dynamics.experiments.config import parse_seeds
     from dynamics.experiments.paper.reproduction_page import CLAIMS_HEADER, claim_rows
+    from dynamics.experiments.paper.sensitivity import reading_statements
+    from dynamics.experiments.paper.sensitivity_page import sensitivity_rows
     from dynamics.experiments.reproduce import reproduce
     from dynamics.system import available_cores
 
@@ -79,8 +86,14 @@ def handle(args: argparse.Namespace) -> int:
         seeds=seeds,
         command=shlex.join(["dynamics", *args.argv]),
         progress=not args.no_progress,
+        sensitivity=not args.no_sensitivity,
     )
     print_table(CLAIMS_HEADER, claim_rows(result.claims))
+    if result.sensitivity:
+        print("\nthe controlled experiment's verdicts in each setup (centre in brackets):")
+        print_table(*sensitivity_rows(result.sensitivity))
+        for line in reading_statements(result.sensitivity):
+            print(f"- {line}")
     minutes, seconds = divmod(round(result.wall_s), 60)
     print(f"wall time {minutes} min {seconds} s")
     print(f"wrote {result.written.path} and {result.json_path}")

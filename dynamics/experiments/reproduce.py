@@ -4,7 +4,9 @@ one report of the paper's claims with verdicts (:mod:`dynamics.experiments.paper
 Each experiment of the plan is trained by the seed runner into ``OUT/<experiment>/<variant>/
 seed<k>.h5``, compared group against group into ``OUT/<experiment>/compare.html``, and the
 claims are measured on those groups into ``OUT/reproduce.html`` and ``OUT/reproduce.json``.
-Every config is loaded and every output checked before anything trains.
+The controlled experiment is also run in each setup of the sensitivity grid
+(:mod:`dynamics.experiments.paper.sensitivity`) into ``OUT/sensitivity/<setup>/``, the same
+way. Every config is loaded and every output checked before anything trains.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynamics.analysis.measures.seed_groups import compare_groups, directory_groups, load_groups
+from dynamics.analysis.measures.seed_groups import (
+    Group,
+    GroupComparison,
+    compare_groups,
+    directory_groups,
+    load_groups,
+)
 from dynamics.analysis.output import check_existing_output, check_output
 from dynamics.analysis.pages.group_comparison import write_group_comparison
 from dynamics.analysis.pages.page import Written
@@ -24,6 +32,13 @@ from dynamics.experiments.config_files import configs_folder, load_config
 from dynamics.experiments.experiment import Experiment
 from dynamics.experiments.paper.claims import ClaimResult, evaluate_claims
 from dynamics.experiments.paper.reproduction_page import ExperimentRecord, write_reproduction
+from dynamics.experiments.paper.sensitivity import (
+    EXPERIMENT,
+    SENSITIVITY,
+    SETUPS,
+    SetupResult,
+    measure_setup,
+)
 from dynamics.experiments.seed_runs import RunFailure, check_outputs, run_seeds
 
 __all__ = ["FULL", "QUICK", "REPORT", "Reproduction", "Stage", "reproduce"]
@@ -84,6 +99,8 @@ QUICK = (
 )
 #: With ``steps`` given, held-out evaluations per run (at least one step apart).
 EVALUATIONS = 10
+#: The seeds of each sensitivity setup (the default setup's are the controlled experiment's).
+SENSITIVITY_SEEDS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,7 @@ class Reproduction:
     written: Written
     json_path: Path
     wall_s: float
+    sensitivity: list[SetupResult] = field(default_factory=list)
 
 
 def reproduce(
@@ -110,6 +128,7 @@ def reproduce(
     seeds: list[int] | None = None,
     command: str = "dynamics reproduce",
     progress: bool = True,
+    sensitivity: bool = True,
 ) -> Reproduction:
     """Run the plan (:data:`FULL`, or :data:`QUICK`), compare, and write the report.
 
@@ -125,6 +144,8 @@ def reproduce(
         seeds: every experiment uses these seeds.
         command: the command line, as the report shows it.
         progress: a line on stderr as each run ends.
+        sensitivity: also run the controlled experiment over the sensitivity setups (when
+            it runs at all).
 
     Raises:
         DynamicsError: before anything trains: an unknown experiment in ``only``, a config
@@ -141,7 +162,11 @@ def reproduce(
             "only", f"names no experiment {unknown[0]!r} (one of {', '.join(known)})"
         )
     chosen = [stage for stage in plan if only is None or stage.key in only]
-    loaded = [(stage, *_load(stage, Path(configs), steps, seeds)) for stage in chosen]
+    setups = _sensitivity_stages(chosen) if sensitivity else []
+    loaded = [
+        (stage, *_load(stage, Path(configs), steps, seeds))
+        for stage in [*chosen, *(stage for _, stage in setups)]
+    ]
     report = out_dir / REPORT
     for path in (report, report.with_suffix(".json")):
         check_existing_output(path, overwrite)
@@ -179,15 +204,65 @@ def reproduce(
         for s in plan
         if s not in chosen
     ]
-    claims = evaluate_claims(groups, reasons)
+    claims = evaluate_claims({k: v for k, v in groups.items() if k in known}, reasons)
+    measured, unmeasured = _measure_setups(groups, reasons, setups) if sensitivity else ([], [])
+    if not sensitivity:
+        unmeasured = ["left out by --no-sensitivity"]
     out_dir.mkdir(parents=True, exist_ok=True)
     out = check_output(report, True)
     wall = time.monotonic() - start
     mode = "quick reproduction (--quick)" if quick else "full reproduction"
     written, json_path = write_reproduction(
-        claims, records, out, command=command, mode=mode, wall_s=wall
+        claims,
+        records,
+        out,
+        command=command,
+        mode=mode,
+        wall_s=wall,
+        sensitivity=measured,
+        sensitivity_unmeasured=unmeasured,
     )
-    return Reproduction(claims, records, failures, written, json_path, wall)
+    return Reproduction(claims, records, failures, written, json_path, wall, measured)
+
+
+def _sensitivity_stages(chosen: list[Stage]) -> list[tuple[str, Stage]]:
+    """``(setup key, stage)`` of each sensitivity setup with overrides (the default setup's
+    runs are the controlled experiment's own); none when that experiment does not run."""
+    stage = next((s for s in chosen if s.key == EXPERIMENT), None)
+    if stage is None:
+        return []
+    return [
+        (
+            setup.key,
+            Stage(
+                f"{SENSITIVITY}/{setup.key}",
+                stage.config,
+                SENSITIVITY_SEEDS,
+                {**stage.overrides, **setup.overrides},
+            ),
+        )
+        for setup in SETUPS
+        if setup.overrides
+    ]
+
+
+def _measure_setups(
+    groups: dict[str, tuple[list[Group], GroupComparison]],
+    reasons: dict[str, str],
+    stages: list[tuple[str, Stage]],
+) -> tuple[list[SetupResult], list[str]]:
+    """Each setup's claims and readings (in :data:`SETUPS` order) where its runs finished,
+    and one line per setup that could not be measured."""
+    folder_of = {key: stage.key for key, stage in stages}
+    results, unmeasured = [], []
+    for setup in SETUPS:
+        folder = folder_of.get(setup.key, EXPERIMENT)
+        if folder in groups:
+            results.append(measure_setup(setup, *groups[folder]))
+        else:
+            why = reasons.get(folder, "the controlled experiment was not run")
+            unmeasured.append(f"{setup.label}: {why}")
+    return results, unmeasured
 
 
 def _load(

@@ -21,6 +21,14 @@ from dynamics.analysis.measures.paired_statistics import RATIO
 from dynamics.analysis.output import write_atomically
 from dynamics.analysis.pages.page import Written, figure_html, html_page, html_table, write_page
 from dynamics.experiments.paper.claims import REPRODUCED, VERDICT_RULE, ClaimResult
+from dynamics.experiments.paper.sensitivity import (
+    EXPERIMENT,
+    SENSITIVITY,
+    Setup,
+    SetupResult,
+    reading_statements,
+)
+from dynamics.experiments.paper.sensitivity_page import sensitivity_section
 
 __all__ = ["CLAIMS_HEADER", "ExperimentRecord", "claim_rows", "write_reproduction"]
 
@@ -94,9 +102,15 @@ def write_reproduction(
     command: str,
     mode: str,
     wall_s: float,
+    sensitivity: Sequence[SetupResult] = (),
+    sensitivity_unmeasured: Sequence[str] = (),
 ) -> tuple[Written, Path]:
     """Write the report to ``out`` (HTML, already checked) and its JSON beside it
     (``out`` with suffix ``.json``); returns what was written and the JSON's path.
+
+    ``sensitivity`` holds the setups measured for the sensitivity section, each linked to its
+    grouped comparison at ``sensitivity/<setup>/compare.html`` (the controlled experiment's for
+    the default setup); ``sensitivity_unmeasured`` one line per setup that was not.
 
     Example::
 
@@ -141,6 +155,13 @@ def write_reproduction(
             "criterion's bound.</p>",
             figure_html(figures[0][1], 0),
         ]
+    if sensitivity or sensitivity_unmeasured:
+        links = {r.setup.key: _comparison_of(r.setup, experiments) for r in sensitivity}
+        section, figure = sensitivity_section(sensitivity, links, len(figures))
+        if figure is not None:
+            figures.append(("sensitivity", figure))
+        unmeasured = "".join(f"<li>{html.escape(line)}</li>" for line in sensitivity_unmeasured)
+        body += [section, f"<p>Not measured:</p><ul>{unmeasured}</ul>" if unmeasured else ""]
     written = write_page(out, html_page("dynamics reproduction", "".join(body)), figures)
     data = {
         "mode": mode,
@@ -149,6 +170,11 @@ def write_reproduction(
         "verdict_rule": VERDICT_RULE,
         "experiments": [asdict(e) for e in experiments],
         "claims": [r.to_dict() for r in results],
+        "sensitivity": {
+            "setups": [r.to_dict() for r in sensitivity],
+            "statements": reading_statements(sensitivity),
+            "not_measured": list(sensitivity_unmeasured),
+        },
     }
     json_path = out.with_suffix(".json")
     write_atomically(json_path, json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")
@@ -180,6 +206,13 @@ def _results_table(results: Sequence[ClaimResult], experiments: dict[str, Any]) 
         css = " class='flag'" if result.verdict != REPRODUCED else ""
         rows.append(f"<tr{css} id='{result.claim.key}'>{cells}<td>{link}</td></tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _comparison_of(setup: Setup, experiments: Sequence[ExperimentRecord]) -> str:
+    """The grouped comparison page of a setup's runs, or "—"."""
+    key = f"{SENSITIVITY}/{setup.key}" if setup.overrides else EXPERIMENT
+    record = next((e for e in experiments if e.key == key), None)
+    return record.comparison if record is not None and record.comparison else "—"
 
 
 def _experiments_table(experiments: Sequence[ExperimentRecord]) -> str:
