@@ -254,3 +254,116 @@ def test_the_transient_use_of_the_bias_component_and_its_verdict(reproduced):
     np.testing.assert_allclose(claim["statistic"]["values"], falls, rtol=1e-6)
     assert claim["verdict"] == rule(holds)
     assert claim["details"]["0"].startswith("peak ")
+
+
+def _config(folder: Path, setup: str, variant: str, seed: int) -> dict:
+    with run_file(folder, f"sensitivity/{setup}", variant, seed) as file:
+        return json.loads(file.attrs["config"])
+
+
+def _sensitivity(folder: Path) -> dict[str, dict]:
+    data = json.loads((folder / "out" / "reproduce.json").read_text())["sensitivity"]
+    return {setup["key"]: setup for setup in data["setups"]}
+
+
+def test_each_sensitivity_setup_trains_what_its_overrides_say(reproduced):
+    folder, result = reproduced
+    out = folder / "out"
+    # The default setup is the controlled experiment's own runs: no second copy.
+    assert sorted(p.name for p in (out / "sensitivity").iterdir()) == [
+        "adam-lr1e-2",
+        "null-shift-0.01",
+        "sgd-lr1e-1",
+        "sgd-lr1e-2",
+    ]
+    assert _config(folder, "sgd-lr1e-1", "shifted", 1)["optimizer"] == {"name": "sgd", "lr": 0.1}
+    assert _config(folder, "adam-lr1e-2", "unshifted", 0)["optimizer"]["lr"] == 0.01
+    null = _config(folder, "null-shift-0.01", "shifted", 0)
+    assert null["variants"] == {"unshifted": "none", "shifted": 0.01}
+    assert null["optimizer"] == {"name": "adam", "lr": 0.001}
+    setups = _sensitivity(folder)
+    assert list(setups) == [
+        "adam-default",
+        "adam-lr1e-2",
+        "sgd-lr1e-2",
+        "sgd-lr1e-1",
+        "null-shift-0.01",
+    ]
+    # The default setup's verdicts are the report's own, from the same groups.
+    ours = {c["key"]: c["verdict"] for c in setups["adam-default"]["claims"]}
+    assert ours == {k: c["verdict"] for k, c in claims(folder).items() if k in ours}
+    page = (out / "reproduce.html").read_text()
+    assert "id='sensitivity'" in page
+    for setup in setups:
+        link = "teacher_student" if setup == "adam-default" else f"sensitivity/{setup}"
+        assert f"href='{link}/compare.html'" in page
+        assert (out / link / "compare.html").is_file()
+    assert "SGD, lr 1e-1: θt − θ0 of the two students:" in result.stdout
+
+
+def test_the_three_orthogonality_readings_are_the_run_files_geometry(reproduced):
+    """Every reading at θT against the files' vectors, the in-plane paths found by least
+    squares on the two unit gradients (no orthonormal basis, no closed-form change of
+    coordinates: not the code's route)."""
+    folder, _ = reproduced
+    readings = _sensitivity(folder)["sgd-lr1e-1"]["readings"]
+    for seed in SEEDS:
+        moves, units = [], []
+        for variant in ("unshifted", "shifted"):
+            with run_file(folder, "sensitivity/sgd-lr1e-1", variant, seed) as file:
+                theta0 = file["vectors/theta0"][()].astype(np.float64)
+                moves.append(file["vectors/theta_final"][()] - theta0)
+                g0 = file["vectors/g0"][()].astype(np.float64)
+                units.append(g0 / np.linalg.norm(g0))
+        basis = np.stack(units, axis=1)
+        oblique = [np.linalg.lstsq(basis, move, rcond=None)[0] for move in moves]
+        in_plane = [basis @ coefficients for coefficients in oblique]
+
+        def cos(x, y):
+            return x @ y / np.linalg.norm(x) / np.linalg.norm(y)
+
+        expected = {
+            "displacement": cos(*moves),
+            "path": cos(*in_plane),  # the plane's own (Euclidean) angle between the paths
+            "oblique": cos(*oblique),
+            "gradients": cos(*units),
+        }
+        for key, value in expected.items():
+            got = readings[key]["cosine_per_seed"][str(seed)][-1]
+            np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-6, err_msg=key)
+    holding = sum(
+        abs(readings["oblique"]["cosine_per_seed"][str(s)][-1]) < ORTHOGONAL_COSINE for s in SEEDS
+    )
+    assert readings["oblique"]["seeds_holding_at_end"] == holding
+
+
+def test_no_sensitivity_leaves_the_setups_out(tmp_path):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "teacher_student.yaml").write_text(yaml.safe_dump(TINY_EXPERIMENT))
+    out = tmp_path / "out"
+    result = run_dynamics(
+        "reproduce",
+        "--configs",
+        configs,
+        "--out",
+        out,
+        "--only",
+        "teacher_student",
+        "--steps",
+        4,
+        "--seeds",
+        "0",
+        "--jobs",
+        "1",
+        "--no-progress",
+        "--no-sensitivity",
+    )
+    assert result.returncode == 0, result.stderr
+    assert not (out / "sensitivity").exists()
+    data = json.loads((out / "reproduce.json").read_text())["sensitivity"]
+    assert data == {
+        "setups": [],
+        "statements": [],
+        "not_measured": ["left out by --no-sensitivity"],
+    }

@@ -88,7 +88,7 @@ def load_config(
     experiment = get(name)
     for dotted, value in overrides.items():
         if value is not None:
-            _override(data, dotted, value)
+            _override(data, dotted, value, experiment.config_class)
     config = _build(experiment.config_class, data, "")
     steps = config.steps
     if overrides.get("steps") is not None and 0 < steps < config.eval_every:
@@ -123,9 +123,14 @@ _UniqueKeysLoader.add_constructor(
 )
 
 
-def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
+def _override(data: dict[str, Any], dotted: str, value: Any, cls: type | None) -> None:
     *parents, leaf = dotted.split(".")
     for depth, parent in enumerate(parents):
+        default = getattr(cls(), parent, None) if cls is not None else None
+        if parent not in data and isinstance(default, dict):
+            # One key of a mapping field (variants.shifted): its other keys keep their defaults.
+            data[parent] = dict(default)
+        cls = type(default) if dataclasses.is_dataclass(default) else None
         data = data.setdefault(parent, {})
         if not isinstance(data, dict):
             raise ConfigError(f"config key {'.'.join(parents[: depth + 1])!r} must be a mapping")
