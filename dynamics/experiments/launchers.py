@@ -225,7 +225,7 @@ class SubmititLauncher(Launcher):
         except (AssertionError, NameError, TypeError, ValueError) as error:
             # submitit says what is wrong on its first line, then lists every parameter
             first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            raise ParameterError("parameters", f"are refused by submitit: {first}") from None
+            raise ParameterError("parameters", f"refused by submitit: {first}") from None
 
     def launch(
         self,

@@ -22,6 +22,7 @@ from dynamics.errors import ParameterError
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.config_files import configs_folder, load_config
 from dynamics.experiments.experiment import Experiment
+from dynamics.experiments.launchers import Launcher
 from dynamics.experiments.paper.claims import ClaimResult, evaluate_claims
 from dynamics.experiments.paper.reproduction_page import ExperimentRecord, write_reproduction
 from dynamics.experiments.seed_runs import RunFailure, check_outputs, run_seeds
@@ -110,6 +111,7 @@ def reproduce(
     seeds: list[int] | None = None,
     command: str = "dynamics reproduce",
     progress: bool = True,
+    launcher: Launcher | None = None,
 ) -> Reproduction:
     """Run the plan (:data:`FULL`, or :data:`QUICK`), compare, and write the report.
 
@@ -125,6 +127,8 @@ def reproduce(
         seeds: every experiment uses these seeds.
         command: the command line, as the report shows it.
         progress: a line on stderr as each run ends.
+        launcher: where the runs train (the seed runner's ``launcher``; default: this
+            machine's processes).
 
     Raises:
         DynamicsError: before anything trains: an unknown experiment in ``only``, a config
@@ -153,7 +157,7 @@ def reproduce(
     for stage, experiment, config in loaded:
         began = time.monotonic()
         folder = out_dir / stage.key
-        group = run_seeds(experiment, config, folder, overwrite, jobs, progress)
+        group = run_seeds(experiment, config, folder, overwrite, jobs, progress, launcher)
         failures += group.failures
         status, page = "run", None
         if group.failures:
