@@ -250,6 +250,10 @@ class SubmititLauncher(Launcher):
                         locks.pop(run.key).release()
                     started = time.monotonic()
                     for run, job in zip(batch, self._submit(experiment, batch)):
+                        if self.cluster == "local":
+                            # a local job writes its result before its process ends: no
+                            # waiting for a slow shared filesystem (15 s) on a killed one
+                            job._results_timeout_s = 0
                         active[run.key] = (run, job, started)
                 ended = [key for key, (_, job, _) in active.items() if job.done()]
                 for key in ended:
