@@ -185,6 +185,7 @@ def test_a_failed_job_is_one_line_and_the_others_finish(tmp_path, capsys, monkey
         ),
         (["--seed", "0", "--launcher", "submitit-local"], "--launcher goes with --seeds"),
         (["--seed", "0", "--reuse-finished"], "--reuse-finished goes with --seeds"),
+        (["reproduce", "--launcher-folder", "jobs"], "--launcher-folder goes with --launcher"),
     ],
 )
 def test_bad_launcher_options_get_one_line_and_change_nothing(tmp_path, capsys, options, message):
@@ -192,6 +193,8 @@ def test_bad_launcher_options_get_one_line_and_change_nothing(tmp_path, capsys, 
     seeds = [] if "--seed" in options else ["--seeds", "0-1"]
     before = files_under(tmp_path)
     argv = ["run", tmp_path / "tiny.yaml", *seeds, "--out", tmp_path / "out", *options]
+    if options[0] == "reproduce":
+        argv = [*options, "--out", tmp_path / "out"]
     refused_in_process(argv, capsys, message)
     assert files_under(tmp_path) == before
 
