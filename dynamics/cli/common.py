@@ -15,6 +15,7 @@ from dynamics.errors import DynamicsError, ParameterError
 
 if TYPE_CHECKING:
     from dynamics.analysis.pages.page import Written
+    from dynamics.experiments.launchers import Launcher
     from dynamics.model.rebuild import RunInitArgs
 
 USAGE_ERROR = 2
@@ -51,6 +52,9 @@ FLAG_OF = {
     "jobs": "--jobs",
     "only": "--only",
     "configs": "--configs",
+    # the launcher of the seed runner's runs (add_launcher_arguments)
+    "launcher-option": "--launcher-option",
+    "parameters": "--launcher-option",
     # load_config's overrides (a bad value in the YAML file is the file's, not a parameter's)
     "steps": "--steps",
     "seed": "--seed",
@@ -147,6 +151,77 @@ def run_init_args(texts: Sequence[str]) -> RunInitArgs | None:
         else:
             shared = args
     return RunInitArgs(shared or {}, by_run)
+
+
+#: ``--launcher``'s choices, each with the submitit cluster it names (None: this machine's
+#: processes, the seed runner's default).
+LAUNCHERS = {"local": None, "slurm": "slurm", "submitit-local": "local"}
+
+
+def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a command's seed runs train: ``--launcher``, ``--launcher-folder`` and
+    ``--launcher-option`` (read back by :func:`launcher_from_args`)."""
+    parser.add_argument(
+        "--launcher",
+        choices=list(LAUNCHERS),
+        default="local",
+        help="where the runs train: this machine's processes (local, the default), Slurm jobs "
+        "(slurm), or submitit's local executor (submitit-local); the last two need submitit",
+    )
+    parser.add_argument(
+        "--launcher-folder",
+        type=Path,
+        metavar="DIR",
+        help="submitit's folder for the jobs' submissions and logs (default: OUT/.submitit)",
+    )
+    parser.add_argument(
+        "--launcher-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a submitit parameter, once each: slurm_partition=gpu, timeout_min=60 (default "
+        "60), gpus_per_node=1, cpus_per_task=4, mem_gb=16, slurm_account=...",
+    )
+
+
+def launcher_flags(args: argparse.Namespace) -> list[str]:
+    """The launcher flags ``args`` gives (beside the default ``--launcher local``), to refuse
+    them where nothing is launched."""
+    given = {
+        "--launcher": args.launcher != "local",
+        "--launcher-folder": args.launcher_folder is not None,
+        "--launcher-option": bool(args.launcher_option),
+    }
+    return [flag for flag, present in given.items() if present]
+
+
+def launcher_from_args(args: argparse.Namespace, out_dir: Path) -> Launcher | None:
+    """The launcher ``args`` asks for, holding ``--jobs`` (pass ``args.jobs`` on to the seed
+    runner as well); None for ``--launcher local`` (the seed runner's own).
+
+    Raises:
+        DynamicsError: a launcher option without a submitit launcher, submitit missing (how to
+            install it), a ``KEY=VALUE`` that does not parse or is given twice, or a parameter
+            submitit refuses.
+    """
+    cluster = LAUNCHERS[args.launcher]
+    if cluster is None:
+        extra = launcher_flags(args)
+        if extra:
+            raise DynamicsError(f"{extra[0]} goes with --launcher slurm or submitit-local")
+        return None
+    from dynamics.experiments.launchers import SubmititLauncher, require_submitit
+    from dynamics.experiments.overrides import parse_assignment
+
+    require_submitit(f"--launcher {args.launcher}")
+    parameters = {}
+    for text in args.launcher_option:
+        key, value = parse_assignment(text, parameter="launcher-option")
+        if key in parameters:
+            raise DynamicsError(f"--launcher-option {key} is given twice")
+        parameters[key] = value
+    folder = args.launcher_folder or Path(out_dir) / ".submitit"
+    return SubmititLauncher(folder, cluster, parameters, jobs=getattr(args, "jobs", None))
 
 
 def html_output_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:

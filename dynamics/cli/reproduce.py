@@ -6,7 +6,13 @@ import argparse
 import shlex
 from pathlib import Path
 
-from dynamics.cli.common import INT64_MAX, check_range, print_table
+from dynamics.cli.common import (
+    INT64_MAX,
+    add_launcher_arguments,
+    check_range,
+    launcher_from_args,
+    print_table,
+)
 from dynamics.errors import DynamicsError
 
 
@@ -27,6 +33,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     reproduce.add_argument(
         "--jobs", type=int, help="runs at a time, each in its own process (default: the cores)"
     )
+    add_launcher_arguments(reproduce)
     reproduce.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     reproduce.add_argument(
         "--configs",
@@ -65,9 +72,11 @@ def handle(args: argparse.Namespace) -> int:
 
     check_range("--steps", args.steps, 1, INT64_MAX)
     # run_seeds checks jobs as well, but only after reproduce() has checked every output:
-    # this check stays until reproduce() checks jobs first.
+    # this check stays until reproduce() checks jobs first. A cluster's jobs are not this
+    # machine's cores: the launcher checks its own.
+    launcher = launcher_from_args(args, args.out)
     cores = available_cores()
-    if args.jobs is not None and not 1 <= args.jobs <= cores:
+    if launcher is None and args.jobs is not None and not 1 <= args.jobs <= cores:
         raise DynamicsError(
             f"--jobs must be from 1 to this machine's {cores} cores, got {args.jobs}"
         )
@@ -87,6 +96,7 @@ def handle(args: argparse.Namespace) -> int:
         command=shlex.join(["dynamics", *args.argv]),
         progress=not args.no_progress,
         sensitivity=not args.no_sensitivity,
+        launcher=launcher,
     )
     print_table(CLAIMS_HEADER, claim_rows(result.claims))
     if result.sensitivity:

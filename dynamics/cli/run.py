@@ -7,7 +7,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dynamics.cli.common import INT64_MAX, check_range, print_table
+from dynamics.cli.common import (
+    INT64_MAX,
+    add_launcher_arguments,
+    check_range,
+    launcher_flags,
+    launcher_from_args,
+    print_table,
+)
 from dynamics.errors import DynamicsError
 
 
@@ -34,7 +41,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--jobs",
         type=int,
-        help="with seeds: runs at a time, each in its own process (default: the cores)",
+        help="with seeds: runs at a time, each in its own process (default: the cores); with "
+        "a submitit launcher, jobs at a time (default: all)",
+    )
+    add_launcher_arguments(run)
+    run.add_argument(
+        "--reuse-finished",
+        action="store_true",
+        help="with seeds: read back each run a previous one finished with the same config "
+        "instead of training it again (a run file with another config is refused)",
     )
     run.add_argument("--lr", type=float, help="override the learning rate")
     run.add_argument("--overwrite", action="store_true", help="replace existing run files")
@@ -60,8 +75,10 @@ def handle(args: argparse.Namespace) -> int:
     )
     if config.seeds is not None:
         return _run_seeds(args, experiment, config)  # run_seeds checks --jobs
-    if args.jobs is not None:
-        raise DynamicsError("--jobs goes with --seeds (or a config's seeds:)")
+    given = ["--jobs"] * (args.jobs is not None) + launcher_flags(args)
+    given += ["--reuse-finished"] * args.reuse_finished
+    if given:
+        raise DynamicsError(f"{given[0]} goes with --seeds (or a config's seeds:)")
     results = run_experiment(experiment, config, args.out, args.overwrite, not args.no_progress)
     header = ("variant", experiment.setting, "final train loss", "final held-out loss", "run file")
     print_table(
@@ -84,7 +101,16 @@ def handle(args: argparse.Namespace) -> int:
 def _run_seeds(args: argparse.Namespace, experiment: Any, config: Any) -> int:
     from dynamics.experiments.seed_runs import SPREAD, run_seeds
 
-    group = run_seeds(experiment, config, args.out, args.overwrite, args.jobs, not args.no_progress)
+    group = run_seeds(
+        experiment,
+        config,
+        args.out,
+        args.overwrite,
+        args.jobs,
+        not args.no_progress,
+        launcher=launcher_from_args(args, args.out),
+        reuse_finished=args.reuse_finished,
+    )
     summary = group.summary
     seeds = summary["seeds"]
     print(f"{experiment.name}: {len(seeds)} seeds ({', '.join(map(str, seeds))}); {SPREAD}")

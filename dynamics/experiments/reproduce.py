@@ -30,6 +30,7 @@ from dynamics.errors import ParameterError
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.config_files import configs_folder, load_config
 from dynamics.experiments.experiment import Experiment
+from dynamics.experiments.launchers import Launcher
 from dynamics.experiments.paper.claims import ClaimResult, evaluate_claims
 from dynamics.experiments.paper.reproduction_page import ExperimentRecord, write_reproduction
 from dynamics.experiments.paper.sensitivity import (
@@ -129,6 +130,7 @@ def reproduce(
     command: str = "dynamics reproduce",
     progress: bool = True,
     sensitivity: bool = True,
+    launcher: Launcher | None = None,
 ) -> Reproduction:
     """Run the plan (:data:`FULL`, or :data:`QUICK`), compare, and write the report.
 
@@ -146,6 +148,8 @@ def reproduce(
         progress: a line on stderr as each run ends.
         sensitivity: also run the controlled experiment over the sensitivity setups (when
             it runs at all).
+        launcher: where the runs train (the seed runner's ``launcher``; default: this
+            machine's processes).
 
     Raises:
         DynamicsError: before anything trains: an unknown experiment in ``only``, a config
@@ -178,7 +182,7 @@ def reproduce(
     for stage, experiment, config in loaded:
         began = time.monotonic()
         folder = out_dir / stage.key
-        group = run_seeds(experiment, config, folder, overwrite, jobs, progress)
+        group = run_seeds(experiment, config, folder, overwrite, jobs, progress, launcher)
         failures += group.failures
         status, page = "run", None
         if group.failures:

@@ -154,11 +154,22 @@ def _train_variant(
         path,
         probes=recording.probes,
         overwrite=True,  # run_experiment refused existing outputs up front
-        config={"experiment": experiment.name, "variant": name, **config.to_dict()},
+        config=recorded_config(experiment, config, name),
         run_name=name,
         flush_interval_s=recording.flush_interval_s,
     )
     fit_interruptibly(trainer_for(config, [recorder], progress), built)
+    return variant_result(name, setting, path)
+
+
+def recorded_config(experiment: Experiment, config: ExperimentConfig, name: str) -> dict:
+    """The config a run file of variant ``name`` records (its ``run.config``)."""
+    return {"experiment": experiment.name, "variant": name, **config.to_dict()}
+
+
+def variant_result(name: str, setting: object, path: Path) -> VariantResult:
+    """What the summary table shows for the run file at ``path``, read from the file (a run
+    just trained, or one trained before)."""
     run = open_run(path)
     train, heldout = run.train_loss(), run.heldout_loss()
     best = _best(heldout)

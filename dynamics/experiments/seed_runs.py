@@ -1,4 +1,5 @@
-"""Runs every variant of an experiment config for every one of its seeds, in parallel processes.
+"""Runs every variant of an experiment config for every one of its seeds, through a launcher
+(this machine's processes by default, or a cluster's jobs: :mod:`dynamics.experiments.launchers`).
 
 The unit of parallel work is one (variant, seed) run. An experiment's ``recordings()`` may
 compute what the variants of one seed share (a plane spanned by their initial gradients) from
@@ -7,9 +8,13 @@ builds every variant of its seed, asks for the recordings, then trains its one v
 :func:`train_run`. Build and recordings are deterministic functions of the config (the θ0 hash
 checks the former), and the global random generators are seeded from the seed before the plan
 and again before training, so a run's file does not depend on which process ran it or what ran
-there before: ``jobs=1`` and ``jobs=N`` record the same series, and seed k of a group records
-what ``dynamics run --seed k`` does. Every seed is planned once in this process before any run
-starts, so a config that cannot be set up is refused before anything trains.
+there before: ``jobs=1``, ``jobs=N`` and a cluster's jobs record the same series, and seed k of
+a group records what ``dynamics run --seed k`` does. Every seed is planned once in this process
+before any run starts, so a config that cannot be set up is refused before anything trains.
+
+A rerun with ``reuse_finished`` reads back every run a previous one finished with the same
+config instead of training it again (:func:`finished_runs`), so a finished group reruns in the
+time it takes to read its files and write its summary.
 """
 
 from __future__ import annotations
@@ -18,15 +23,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import multiprocessing
-import os
-import random
-import signal
 import sys
-import time
-import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +33,21 @@ import torch
 
 from dynamics.analysis.measures.run_comparison import loss_crossover
 from dynamics.analysis.measures.seed_groups import overtaking_step
-from dynamics.analysis.output import check_existing_output, write_atomically
+from dynamics.analysis.output import check_existing_output, claimed, write_atomically
 from dynamics.errors import DynamicsError, ParameterError
 from dynamics.experiments import runner
 from dynamics.experiments.config import ExperimentConfig
-from dynamics.experiments.experiment import Built, Experiment, Recording
-from dynamics.store import RunLock, open_run
-from dynamics.system import available_cores
+from dynamics.experiments.experiment import Experiment
+from dynamics.experiments.launchers import (
+    Launcher,
+    LocalLauncher,
+    PlannedRun,
+    RunFailure,
+    plan,
+    train_run,
+)
+from dynamics.store import RunFileError, RunLock, open_run
+from dynamics.store.schema import decode_attr, encode_attr
 
 #: The summary written beside the runs.
 SUMMARY = "summary.json"
@@ -54,16 +60,6 @@ FIGURES = {
 }
 #: How the summary states a figure's spread over seeds.
 SPREAD = "mean ± sample standard deviation (ddof=1) over seeds, and min–max"
-
-
-@dataclass(frozen=True)
-class RunFailure:
-    """A (variant, seed) run that did not finish; ``error`` is one line."""
-
-    variant: str
-    seed: int
-    error: str
-    details: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,6 +84,8 @@ def run_seeds(
     overwrite: bool = False,
     jobs: int | None = None,
     progress: bool = True,
+    launcher: Launcher | None = None,
+    reuse_finished: bool = False,
 ) -> GroupResult:
     """Train every variant of ``config`` for each of ``config.seeds`` into
     ``out_dir/<variant>/seed<k>.h5`` and write the summary to ``out_dir/summary.json``.
@@ -97,37 +95,55 @@ def run_seeds(
         experiment, config = load_config("teacher_student", seeds="0-4", steps=500)
         group = run_seeds(experiment, config, "runs/seeds", jobs=2)
         group.summary["crossover"]  # per shifted variant: the step it overtakes for good
+        # the same group as Slurm jobs; a rerun reads the finished runs back
+        launcher = SubmititLauncher("runs/seeds/.submitit", parameters={"timeout_min": 30})
+        run_seeds(experiment, config, "runs/seeds", launcher=launcher, reuse_finished=True)
 
     Args:
         jobs: runs at a time, each in its own process (1: one after the other, in this one);
-            default: the available cores over ``config.threads``, at most one per run.
+            default: the available cores over ``config.threads``, at most one per run. With
+            a ``launcher``, its own ``jobs`` (given here too, it must be the same).
         progress: a line on stderr as each run ends (Lightning's bar only with ``jobs=1``).
+        launcher: where the runs train (:mod:`dynamics.experiments.launchers`); default:
+            :class:`~dynamics.experiments.launchers.LocalLauncher` with ``jobs``.
+        reuse_finished: a run whose file a previous run finished with this run's config is
+            read back, not trained (:func:`finished_runs`); a file it did not finish (crashed,
+            killed, interrupted) is trained again; one finished with another config is refused
+            (replaced with ``overwrite``).
 
     Returns:
-        The group, with any runs that failed: a failure (an exception, or a process that died)
-        does not stop the others, and every file a run wrote is kept.
+        The group, with any runs that failed: a failure (an exception, or a process or job
+        that died) does not stop the others, and every file a run wrote is kept.
 
     Raises:
-        DynamicsError: before anything trains: an output exists and ``overwrite`` is false, a
-            variant folder holds a seed file outside ``config.seeds`` (a group folder holds one
-            group), ``jobs`` is out of range (a ParameterError), an output is being written by
-            another run, or a seed cannot be set up (every seed is planned first).
+        DynamicsError: before anything trains: an output exists and ``overwrite`` (or
+            ``reuse_finished``, as above) is false, a variant folder holds a seed file outside
+            ``config.seeds`` (a group folder holds one group), ``jobs`` is out of range (a
+            ParameterError), an output is being written by another run or the folder by
+            another group, or a seed cannot be set up (every seed is planned first).
     """
     if not config.seeds:
         raise DynamicsError("no seeds to run: give seeds (or use run_experiment for one seed)")
     out_dir = Path(out_dir)
-    cores = available_cores()
-    variants = list(experiment.variants(config))
-    runs = [(v, s) for s in config.seeds for v in variants]
-    if jobs is None:
-        jobs = max(1, min(len(runs), cores // config.threads))
-    if not 1 <= jobs <= cores:
-        raise ParameterError("jobs", f"must be from 1 to this machine's {cores} cores, got {jobs}")
-    paths = check_outputs(experiment, config, out_dir, overwrite)
+    if launcher is None:
+        launcher = LocalLauncher(jobs)
+    elif jobs is not None and jobs != launcher.jobs:
+        raise ParameterError("jobs", f"is the launcher's own ({launcher.jobs}), got {jobs}")
+    variants = experiment.variants(config)
+    launcher.check(config, len(variants) * len(config.seeds))
+    paths = check_outputs(experiment, config, out_dir, overwrite, reuse_finished)
+    reused = finished_runs(experiment, config, out_dir, overwrite) if reuse_finished else {}
+    runs = [
+        PlannedRun(v, s, seed_config(config, s), paths[v, s])
+        for s in config.seeds
+        for v in variants
+        if (v, s) not in reused
+    ]
     summary_path = out_dir / SUMMARY
     new_folders = [f for f in (*(out_dir / v for v in variants), out_dir, *out_dir.parents)]
     new_folders = [f for f in dict.fromkeys(new_folders) if not f.exists()]
     locks: dict[tuple[str, int], RunLock] = {}
+    group = contextlib.ExitStack()
     try:
         for variant in variants:
             try:
@@ -136,36 +152,52 @@ def run_seeds(
                 raise DynamicsError(
                     f"cannot create output folder {out_dir / variant}: {error.strerror}"
                 ) from None
-        for run, path in paths.items():
-            locks[run] = RunLock.acquire(path)
+        # Held until the summary is written: runs queued on a cluster hold no lock of their own.
+        group.enter_context(claimed([summary_path]))
+        for run in runs:
+            locks[run.key] = RunLock.acquire(run.path)
         torch.set_num_threads(config.threads)
         runner.quiet_lightning()
-        for seed in config.seeds:
+        for seed in dict.fromkeys(run.seed for run in runs):
             try:
-                _plan(experiment, seed_config(config, seed))
+                plan(experiment, seed_config(config, seed))
             except DynamicsError as error:
                 raise DynamicsError(f"seed {seed}: {error}") from None
     except BaseException:
         _release(locks)
+        group.close()
         _remove_folders(new_folders)
         raise
-    try:
-        if jobs == 1:
-            results, failures = _serial(experiment, config, runs, paths, locks, progress)
-        else:
-            results, failures = _parallel(experiment, config, runs, paths, locks, jobs, progress)
-    finally:
-        _release(locks)
-    failures += _theta0_failures(results, config.seeds)
-    summary = summarize(experiment, config, results, failures, out_dir)
-    write_atomically(
-        summary_path, json.dumps(summary, indent=2, allow_nan=False, default=str) + "\n"
-    )
+    with group:
+        try:
+            if reused and progress:
+                print(
+                    f"dynamics: {len(reused)} of {len(paths)} runs finished before with this "
+                    "config: read back, not trained again",
+                    file=sys.stderr,
+                )
+            results = {
+                (v, s): runner.variant_result(v, variants[v], path)
+                for (v, s), path in reused.items()
+            }
+            trained, failures = launcher.launch(experiment, runs, locks, progress)
+            results.update(trained)
+            failures += _theta0_failures(results, config.seeds)
+            summary = summarize(experiment, config, results, failures, out_dir)
+            write_atomically(
+                summary_path, json.dumps(summary, indent=2, allow_nan=False, default=str) + "\n"
+            )
+        finally:
+            _release(locks)
     return GroupResult(results, failures, summary, summary_path)
 
 
 def check_outputs(
-    experiment: Experiment, config: ExperimentConfig, out_dir: Path, overwrite: bool
+    experiment: Experiment,
+    config: ExperimentConfig,
+    out_dir: Path,
+    overwrite: bool,
+    reuse_finished: bool = False,
 ) -> dict[tuple[str, int], Path]:
     """The run files of every (variant, seed) of ``config`` in ``out_dir``, checked as
     :func:`run_seeds` checks them before anything trains.
@@ -174,56 +206,84 @@ def check_outputs(
         DynamicsError: a run file or the summary exists and ``overwrite`` is false, or may not
             be replaced at all (a link, a special file:
             :func:`~dynamics.analysis.output.check_existing_output`), or a variant folder holds
-            a seed file outside ``config.seeds``.
+            a seed file outside ``config.seeds``. With ``reuse_finished``, a run file
+            :func:`finished_runs` reads back or retrains is no refusal, and the summary is
+            rewritten; one it refuses is refused.
     """
     variants = list(experiment.variants(config))
     paths = {(v, s): run_path(out_dir, v, s) for s in config.seeds or () for v in variants}
-    for path in paths.values():
-        check_existing_output(path, overwrite, kind=None)  # the writer checks a run's content
-    check_existing_output(out_dir / SUMMARY, overwrite)
+    reused = finished_runs(experiment, config, out_dir, overwrite) if reuse_finished else {}
+    for run, path in paths.items():
+        if run not in reused:  # the writer checks a run's content
+            check_existing_output(path, overwrite or reuse_finished, kind=None)
+    check_existing_output(out_dir / SUMMARY, overwrite or reuse_finished)
     _check_group_folders(out_dir, variants, set(paths.values()))
     return paths
+
+
+def finished_runs(
+    experiment: Experiment, config: ExperimentConfig, out_dir: Path, overwrite: bool = False
+) -> dict[tuple[str, int], Path]:
+    """The run files in ``out_dir`` of ``config``'s (variant, seed) runs that a previous run
+    finished (its status says ``finished``: not crashed, killed or interrupted) with the
+    config this run would record: what ``reuse_finished`` reads back instead of training.
+
+    Raises:
+        DynamicsError: unless ``overwrite`` (which trains them again): a finished run file
+            records another config (the first key that differs is named), or a file there is
+            no run file at all.
+    """
+    reused = {}
+    for seed in config.seeds or ():
+        one = seed_config(config, seed)
+        for variant in experiment.variants(config):
+            path = run_path(out_dir, variant, seed)
+            if not path.is_file() or path.is_symlink():
+                continue  # nothing to reuse; check_existing_output judges a link
+            try:
+                run = open_run(path)
+                state, stored = run.status().state, run.config
+            except (RunFileError, OSError) as error:
+                if overwrite:
+                    continue
+                raise DynamicsError(
+                    f"{path} cannot be reused or trained again: it is not a run file "
+                    f"({str(error).strip().splitlines()[0]}); pass --overwrite to replace it"
+                ) from None
+            if state != "finished":
+                continue  # a partial run: trained again
+            planned = decode_attr(encode_attr(runner.recorded_config(experiment, one, variant)))
+            if stored == planned:
+                reused[variant, seed] = path
+            elif not overwrite:
+                key = _first_difference(stored, planned)
+                raise DynamicsError(
+                    f"{path} finished with another config ({key}: {_get(stored, key)!r} there, "
+                    f"{_get(planned, key)!r} now); pass --overwrite to train it again, or "
+                    "choose another output folder"
+                )
+    return reused
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
+    """The first dotted key (``model.width``) whose value differs between ``a`` and ``b``."""
+    for key in sorted({*a, *b}):
+        if a.get(key) != b.get(key):
+            if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+                return _first_difference(a[key], b[key], f"{prefix}{key}.")
+            return f"{prefix}{key}"
+    return prefix.rstrip(".")
+
+
+def _get(data: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
 
 
 def seed_config(config: ExperimentConfig, seed: int) -> ExperimentConfig:
     """The config of one seed's runs: ``config`` with that ``seed`` and no ``seeds``."""
     return dataclasses.replace(config, seed=seed, seeds=None)
-
-
-def train_run(
-    experiment: Experiment, config: ExperimentConfig, variant: str, path: Path, progress: bool
-) -> runner.VariantResult:
-    """One run: build every variant of ``config.seed`` and plan their recordings (they may
-    share what is computed from all of them), then train ``variant`` into ``path``."""
-    built, recordings = _plan(experiment, config)
-    _seed_globals(config.seed)
-    setting = experiment.variants(config)[variant]
-    return runner._train_variant(
-        experiment,
-        config,
-        variant,
-        setting,
-        built[variant],
-        recordings[variant],
-        path,
-        progress,
-    )
-
-
-def _plan(
-    experiment: Experiment, config: ExperimentConfig
-) -> tuple[dict[str, Built], dict[str, Recording]]:
-    _seed_globals(config.seed)
-    built = {name: experiment.build(config, name) for name in experiment.variants(config)}
-    return built, experiment.recordings(config, built)
-
-
-def _seed_globals(seed: int) -> None:
-    """Seed torch's, numpy's and Python's global generators (as Lightning's seed_everything
-    does), for experiments that draw from them: dropout, an unseeded sampler."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(np.random.SeedSequence(seed).generate_state(1)[0])
 
 
 def _check_group_folders(out_dir: Path, variants: list[str], ours: set[Path]) -> None:
@@ -238,157 +298,6 @@ def _check_group_folders(out_dir: Path, variants: list[str], ours: set[Path]) ->
                     f"{stray[0]} is not one of this command's seeds; a group folder holds one "
                     "group: choose another output folder or remove it"
                 )
-
-
-def _serial(
-    experiment: Experiment,
-    config: ExperimentConfig,
-    runs: list[tuple[str, int]],
-    paths: dict[tuple[str, int], Path],
-    locks: dict[tuple[str, int], RunLock],
-    progress: bool,
-) -> tuple[dict[tuple[str, int], runner.VariantResult], list[RunFailure]]:
-    results, failures = {}, []
-    for done, (variant, seed) in enumerate(runs, 1):
-        locks.pop((variant, seed)).release()  # the recorder locks its path at fit start
-        start = time.monotonic()
-        try:
-            results[variant, seed] = train_run(
-                experiment, seed_config(config, seed), variant, paths[variant, seed], progress
-            )
-        except Exception as error:
-            failures.append(_failure(variant, seed, error))
-        _report(progress, done, len(runs), variant, seed, start, failures)
-    return results, failures
-
-
-#: The exit status of a run interrupted by Ctrl-C (128 + SIGINT, as a shell reports it).
-INTERRUPTED = 130
-#: How long interrupted child runs get to close their run files before they are terminated.
-_INTERRUPT_GRACE_S = 10.0
-
-
-def _parallel(
-    experiment: Experiment,
-    config: ExperimentConfig,
-    runs: list[tuple[str, int]],
-    paths: dict[tuple[str, int], Path],
-    locks: dict[tuple[str, int], RunLock],
-    jobs: int,
-    progress: bool,
-) -> tuple[dict[tuple[str, int], runner.VariantResult], list[RunFailure]]:
-    # spawn: a forked child would inherit torch's thread pools and locks mid-state.
-    context = multiprocessing.get_context("spawn")
-    results, failures = {}, []
-    waiting = list(runs)
-    active: dict[Connection, tuple[tuple[str, int], Any, float]] = {}
-    try:
-        while waiting or active:
-            while waiting and len(active) < jobs:
-                variant, seed = run = waiting.pop(0)
-                locks.pop(run).release()
-                receive, send = context.Pipe(duplex=False)
-                process = context.Process(
-                    target=_child,
-                    args=(send, experiment, seed_config(config, seed), variant, paths[run]),
-                    name=f"dynamics {variant} seed {seed}",
-                )
-                # A child starts with Ctrl-C ignored (the disposition survives its exec), so an
-                # interrupt while it imports is no traceback; _child takes Ctrl-C up itself. A
-                # child that got it ends with INTERRUPTED, so one lost here still stops all.
-                previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-                try:
-                    process.start()
-                finally:
-                    signal.signal(signal.SIGINT, previous)
-                send.close()  # the child holds the other end: its exit ends the pipe
-                active[receive] = (run, process, time.monotonic())
-            for receive in wait(list(active)):
-                (variant, seed), process, start = active.pop(receive)
-                try:
-                    outcome = receive.recv()
-                except EOFError:
-                    outcome = None
-                receive.close()
-                process.join()
-                if isinstance(outcome, runner.VariantResult):
-                    results[variant, seed] = outcome
-                elif isinstance(outcome, RunFailure):
-                    failures.append(outcome)
-                elif process.exitcode == INTERRUPTED:
-                    raise KeyboardInterrupt  # Ctrl-C reached the child: the whole group stops
-                else:
-                    failures.append(
-                        RunFailure(variant, seed, f"its process died ({_exit(process.exitcode)})")
-                    )
-                done = len(results) + len(failures)
-                _report(progress, done, len(runs), variant, seed, start, failures)
-    except KeyboardInterrupt:
-        _interrupt([process for _, process, _ in active.values()])
-        raise
-    finally:
-        for _, process, _ in active.values():
-            process.terminate()
-            process.join()
-    return results, failures
-
-
-def _interrupt(processes: list[Any]) -> None:
-    """Pass Ctrl-C on to ``processes`` (a terminal sends it to all of them, ``kill -INT`` to
-    the parent alone) and give them :data:`_INTERRUPT_GRACE_S` to close their run files."""
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError, TypeError):
-            os.kill(process.pid, signal.SIGINT)
-    deadline = time.monotonic() + _INTERRUPT_GRACE_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-
-
-def _child(
-    send: Connection, experiment: Experiment, config: ExperimentConfig, variant: str, path: Path
-) -> None:
-    try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # started ignoring it
-        torch.set_num_threads(config.threads)
-        runner.quiet_lightning()
-        try:
-            outcome: Any = train_run(experiment, config, variant, path, progress=False)
-        except Exception as error:
-            outcome = _failure(variant, config.seed, error)
-        send.send(outcome)
-        send.close()
-    except KeyboardInterrupt:
-        # The parent says "interrupted" once; a traceback from every child would bury it.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        sys.exit(INTERRUPTED)
-
-
-def _failure(variant: str, seed: int, error: Exception) -> RunFailure:
-    line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    kind = "" if isinstance(error, DynamicsError) else f"{type(error).__name__}: "
-    return RunFailure(variant, seed, f"{kind}{line}", traceback.format_exc())
-
-
-def _exit(code: int | None) -> str:
-    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-
-
-def _report(
-    progress: bool,
-    done: int,
-    total: int,
-    variant: str,
-    seed: int,
-    start: float,
-    failures: list[RunFailure],
-) -> None:
-    failed = failures and (failures[-1].variant, failures[-1].seed) == (variant, seed)
-    if failed:
-        message = f"dynamics: run {variant} seed {seed} failed: {failures[-1].error}"
-        print(message, file=sys.stderr, flush=True)
-    elif progress:
-        elapsed = time.monotonic() - start
-        print(f"[{done}/{total}] {variant} seed {seed}: {elapsed:.1f} s", file=sys.stderr)
 
 
 def _theta0_failures(
@@ -533,6 +442,7 @@ __all__ = [
     "RunFailure",
     "check_outputs",
     "crossover_steps",
+    "finished_runs",
     "run_path",
     "run_seeds",
     "seed_config",
