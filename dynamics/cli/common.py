@@ -56,6 +56,7 @@ FLAG_OF = {
     "seed": "--seed",
     "seeds": "--seeds",
     "optimizer.lr": "--lr",
+    "set": "--set",
 }
 
 

@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 from dynamics.cli.common import INT64_MAX, check_range, print_table
+from dynamics.cli.overrides import add_set_argument, set_overrides
 from dynamics.errors import DynamicsError
 
 
@@ -46,6 +47,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     reproduce.add_argument("--seeds", metavar="0-4|0,2,3", help="every experiment's seeds")
     reproduce.add_argument("--no-progress", action="store_true", help="no line per run")
+    add_set_argument(reproduce)
     reproduce.set_defaults(handler=handle)
 
 
@@ -77,6 +79,7 @@ def handle(args: argparse.Namespace) -> int:
         only=only,
         steps=args.steps,
         seeds=seeds,
+        sets=set_overrides(args.set),
         command=shlex.join(["dynamics", *args.argv]),
         progress=not args.no_progress,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamics.cli.common import INT64_MAX, check_range, print_table
+from dynamics.cli.overrides import add_set_argument, set_overrides
 from dynamics.errors import DynamicsError
 
 
@@ -37,6 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="with seeds: runs at a time, each in its own process (default: the cores)",
     )
     run.add_argument("--lr", type=float, help="override the learning rate")
+    add_set_argument(run)
     run.add_argument("--overwrite", action="store_true", help="replace existing run files")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=handle)
@@ -55,9 +57,8 @@ def handle(args: argparse.Namespace) -> int:
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise DynamicsError(f"--lr must be a finite number > 0, got {args.lr}")
     seeds = None if args.seeds is None else parse_seeds(args.seeds, "--seeds")
-    experiment, config = load_config(
-        args.config, steps=args.steps, seed=args.seed, seeds=seeds, **{"optimizer.lr": args.lr}
-    )
+    flags = {"steps": args.steps, "seed": args.seed, "seeds": seeds, "optimizer.lr": args.lr}
+    experiment, config = load_config(args.config, **set_overrides(args.set, flags))
     if config.seeds is not None:
         return _run_seeds(args, experiment, config)  # run_seeds checks --jobs
     if args.jobs is not None:

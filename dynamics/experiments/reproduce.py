@@ -19,7 +19,7 @@ from dynamics.analysis.output import check_existing_output, check_output
 from dynamics.analysis.pages.group_comparison import write_group_comparison
 from dynamics.analysis.pages.page import Written
 from dynamics.errors import ParameterError
-from dynamics.experiments.config import ExperimentConfig
+from dynamics.experiments.config import ConfigError, ExperimentConfig
 from dynamics.experiments.config_files import configs_folder, load_config
 from dynamics.experiments.experiment import Experiment
 from dynamics.experiments.paper.claims import ClaimResult, evaluate_claims
@@ -108,6 +108,7 @@ def reproduce(
     only: list[str] | None = None,
     steps: int | None = None,
     seeds: list[int] | None = None,
+    sets: dict[str, Any] | None = None,
     command: str = "dynamics reproduce",
     progress: bool = True,
 ) -> Reproduction:
@@ -123,6 +124,8 @@ def reproduce(
         steps: every experiment trains this many steps, evaluating every ``steps //
             EVALUATIONS`` steps (at least 1).
         seeds: every experiment uses these seeds.
+        sets: ``{dotted key: value}`` applied to every experiment's config (``--set``), over
+            the plan's own overrides.
         command: the command line, as the report shows it.
         progress: a line on stderr as each run ends.
 
@@ -141,7 +144,7 @@ def reproduce(
             "only", f"names no experiment {unknown[0]!r} (one of {', '.join(known)})"
         )
     chosen = [stage for stage in plan if only is None or stage.key in only]
-    loaded = [(stage, *_load(stage, Path(configs), steps, seeds)) for stage in chosen]
+    loaded = [(stage, *_load(stage, Path(configs), steps, seeds, sets or {})) for stage in chosen]
     report = out_dir / REPORT
     for path in (report, report.with_suffix(".json")):
         check_existing_output(path, overwrite)
@@ -191,13 +194,24 @@ def reproduce(
 
 
 def _load(
-    stage: Stage, configs: Path, steps: int | None, seeds: list[int] | None
+    stage: Stage,
+    configs: Path,
+    steps: int | None,
+    seeds: list[int] | None,
+    sets: dict[str, Any],
 ) -> tuple[Experiment, ExperimentConfig]:
     overrides = dict(stage.overrides)
     if steps is not None:
         overrides.update(steps=steps, eval_every=max(1, steps // EVALUATIONS))
+    overrides.update(sets)
     overrides["seeds"] = list(seeds or stage.seeds)
-    return load_config(configs / stage.config, **overrides)
+    try:
+        return load_config(configs / stage.config, **overrides)
+    except ConfigError as error:
+        if not sets:
+            raise
+        # the same --set reaches every stage: say which stage's experiment refused it
+        raise ConfigError(f"--set on {stage.key}: {error}") from None
 
 
 def _record(
