@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from dynamics.experiments.config import ConfigError
-
 #: The optimizers a config may name.
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
@@ -72,6 +70,10 @@ class OptimizerConfig:
         Raises:
             ConfigError: one line naming the ``optimizer.`` key.
         """
+        # not at the top: the modules import this file, and importing a module must not
+        # import the configs (the registry lists experiments without importing them)
+        from dynamics.experiments.config import ConfigError
+
         if self.name not in OPTIMIZERS:
             raise ConfigError(
                 f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}"
