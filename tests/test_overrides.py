@@ -59,23 +59,40 @@ def test_info_and_compare_show_the_overrides(group, tmp_path):
     assert f"seed0.h5: {shown}\n" in compare.stdout
 
 
-@pytest.mark.parametrize(
-    ("sets", "message"),
-    [
-        (["model.colour=red"], "unknown config key 'model.colour'"),
-        (["optimizer.lr=fast"], "config key 'optimizer.lr' must be a number, got 'fast'"),
-        (["optimizer.lr=1e-2", "optimizer.lr=1e-3"], "--set optimizer.lr is given twice"),
-        (["overrides.steps=5"], "config key 'overrides' is what a run records"),
-        (["optimizer.momentum=0.9"], "optimizer.momentum is SGD's"),
-    ],
-)
+BAD = [
+    (["model.colour=red"], "unknown config key 'model.colour'"),
+    (["optimizer.lr=fast"], "config key 'optimizer.lr' must be a number, got 'fast'"),
+    (["optimizer.lr=1e-2", "optimizer.lr=1e-3"], "--set optimizer.lr is given twice"),
+    (["overrides.steps=5"], "config key 'overrides' is what a run records"),
+    (["optimizer.momentum=0.9"], "optimizer.momentum is SGD's"),
+    (["optimizer.lr"], "--set must be KEY=VALUE"),
+]
+RUN = ["run", "teacher_student", "--steps", "20", "--set", "eval_every=10"]
+
+
+def _sets(texts: list[str]) -> list[str]:
+    return [arg for text in texts for arg in ("--set", text)]
+
+
+@pytest.mark.parametrize(("sets", "message"), BAD[:2], ids=["key", "value"])
 def test_a_bad_override_is_one_line_and_writes_nothing(tmp_path, sets, message):
     out = tmp_path / "runs"
-    args = ["run", "teacher_student", "--out", out, "--steps", "20", "--set", "eval_every=10"]
-    result = run_dynamics(*args, *(a for text in sets for a in ("--set", text)))
+    result = run_dynamics(*RUN, "--out", out, *_sets(sets))
     assert_one_line_error(result)
     assert message in result.stderr
     assert not out.exists()
+
+
+def test_every_bad_override_is_one_line(tmp_path, capsys):
+    # in this process: the executable's own answers are tested above, these are many
+    from dynamics.cli import main
+
+    for sets, message in BAD:
+        capsys.readouterr()
+        assert main([*RUN, "--out", str(tmp_path / "runs"), *_sets(sets)]) == 2, sets
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and message in error, (sets, error)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_fewer_steps_than_eval_every_suggests_set(tmp_path):

@@ -224,7 +224,8 @@ def _record(
     wall_s: float,
 ) -> ExperimentRecord:
     settings = {"steps": config.steps, "eval_every": config.eval_every}
-    settings.update({k: v for k, v in stage.overrides.items() if k not in settings})
+    # the plan's overrides and every --set, as the runs record them
+    settings.update({k: v for k, v in config.overrides.items() if k not in settings})
     described = ", ".join(f"{k}={v}" for k, v in settings.items())
     return ExperimentRecord(
         stage.key,
