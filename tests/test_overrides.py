@@ -92,6 +92,12 @@ def test_every_bad_override_is_one_line(tmp_path, capsys):
         assert main([*RUN, "--out", str(tmp_path / "runs"), *_sets(sets)]) == 2, sets
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and message in error, (sets, error)
+    # a key given by its own flag too, and a file that claims overrides it did not get
+    assert main([*RUN, "--out", str(tmp_path / "runs"), "--lr", "0.1", "--set", "optimizer.lr=1"])
+    assert "--set optimizer.lr is also given by its own flag" in capsys.readouterr().err
+    (tmp_path / "lying.yaml").write_text("overrides: {optimizer.lr: 0.01}\n")
+    assert main(["run", str(tmp_path / "lying.yaml"), "--out", str(tmp_path / "runs")]) == 2
+    assert "config key 'overrides' is what a run records" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
