@@ -104,8 +104,8 @@ def test_dynamics_run_takes_a_shipped_name(tmp_path, capsys):
     assert main(["run", "teacher_student", "--steps", "1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err == "dynamics: error: --steps must be at least the config's eval_every (100), " + (
-        "or no held-out loss is ever measured, got 1; for fewer steps copy the config and lower "
-        "its eval_every\n"
+        "or no held-out loss is ever measured, got 1; for fewer steps add --set eval_every=N "
+        "(N <= 1)\n"
     )
     assert main(["run", "teacher_studnet", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

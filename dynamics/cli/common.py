@@ -60,6 +60,7 @@ FLAG_OF = {
     "seed": "--seed",
     "seeds": "--seeds",
     "optimizer.lr": "--lr",
+    "set": "--set",
 }
 
 

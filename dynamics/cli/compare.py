@@ -13,6 +13,7 @@ from dynamics.cli.common import (
     print_written,
     run_init_args,
 )
+from dynamics.cli.overrides import overrides_text
 from dynamics.errors import DynamicsError
 
 
@@ -116,7 +117,18 @@ def handle(args: argparse.Namespace) -> int:
         trust_recorded_model=args.trust_recorded_model,
         barrier_batch=barrier_batch,
     )
+    from dynamics.store import open_run
+
+    _print_overrides([(str(path), open_run(path).config) for path in run_files(args.runs)])
     return print_written(written)
+
+
+def _print_overrides(configs: list[tuple[str, dict | None]]) -> None:
+    """A line per run (or group) with its recorded ``--set`` overrides, when any has some."""
+    texts = [(label, overrides_text(config)) for label, config in configs]
+    if any(text for _, text in texts):
+        for label, text in texts:
+            print(f"{label}: overrides: {text or 'none'}")
 
 
 def _compare_groups(args: argparse.Namespace) -> int:
@@ -173,6 +185,7 @@ def _compare_groups(args: argparse.Namespace) -> int:
         return 0
     for group in groups:
         print(f"{group.name}: seeds {', '.join(map(str, group.seeds))}")
+    _print_overrides([(g.name, next(iter(g.runs.values())).config) for g in groups])
     print_table(STATISTICS_HEADER, statistics_rows(comparisons))
     print(STATISTICS_NOTE)
     return 0 if written is None else print_written(written)

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from dynamics.cli.overrides import overrides_text
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``info`` to ``commands``."""
@@ -45,6 +47,9 @@ def handle(args: argparse.Namespace) -> int:
     for name, shape in summary["vectors"].items():
         print(f"  vector {name:<11} {tuple(shape)}")
     config = summary["attrs"].get("config")
+    overrides = overrides_text(config if isinstance(config, dict) else None)
+    if overrides:
+        print(f"  overrides: {overrides}")
     if config:
         print(f"  config {json.dumps(config, sort_keys=True)}")
     return 0

@@ -13,6 +13,7 @@ from dynamics.cli.common import (
     launcher_from_args,
     print_table,
 )
+from dynamics.cli.overrides import add_set_argument, set_overrides
 from dynamics.errors import DynamicsError
 
 
@@ -58,6 +59,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="leave out the sensitivity section (the controlled experiment in other setups)",
     )
     reproduce.add_argument("--no-progress", action="store_true", help="no line per run")
+    add_set_argument(reproduce)
     reproduce.set_defaults(handler=handle)
 
 
@@ -93,6 +95,7 @@ def handle(args: argparse.Namespace) -> int:
         only=only,
         steps=args.steps,
         seeds=seeds,
+        sets=set_overrides(args.set),
         command=shlex.join(["dynamics", *args.argv]),
         progress=not args.no_progress,
         sensitivity=not args.no_sensitivity,

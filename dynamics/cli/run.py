@@ -15,6 +15,7 @@ from dynamics.cli.common import (
     launcher_from_args,
     print_table,
 )
+from dynamics.cli.overrides import add_set_argument, set_overrides
 from dynamics.errors import DynamicsError
 
 
@@ -52,6 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "instead of training it again (a run file with another config is refused)",
     )
     run.add_argument("--lr", type=float, help="override the learning rate")
+    add_set_argument(run)
     run.add_argument("--overwrite", action="store_true", help="replace existing run files")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=handle)
@@ -70,9 +72,8 @@ def handle(args: argparse.Namespace) -> int:
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise DynamicsError(f"--lr must be a finite number > 0, got {args.lr}")
     seeds = None if args.seeds is None else parse_seeds(args.seeds, "--seeds")
-    experiment, config = load_config(
-        args.config, steps=args.steps, seed=args.seed, seeds=seeds, **{"optimizer.lr": args.lr}
-    )
+    flags = {"steps": args.steps, "seed": args.seed, "seeds": seeds, "optimizer.lr": args.lr}
+    experiment, config = load_config(args.config, **set_overrides(args.set, flags))
     if config.seeds is not None:
         return _run_seeds(args, experiment, config)  # run_seeds checks --jobs
     given = ["--jobs"] * (args.jobs is not None) + launcher_flags(args)

@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -58,7 +58,15 @@ class ExperimentConfig:
         eval_every: steps between held-out evaluations.
         threads: torch CPU threads (1 is fastest for models this small on a shared machine).
         accelerator: where each run trains, one of :data:`ACCELERATORS` (one device).
+        overrides: ``{dotted key: value}`` that ``load_config`` applied over the file
+            (``--set``, ``--steps``, ``--seed``, ``--lr``); recorded, never read from a file.
+
+    Class attributes:
+        moved_keys: ``{old key: new dotted key}`` of keys that moved, each refused in a file
+            with a line naming where it went.
     """
+
+    moved_keys: ClassVar[dict[str, str]] = {}
 
     seed: int = 0
     seeds: list[int] | None = None
@@ -66,6 +74,7 @@ class ExperimentConfig:
     eval_every: int = 100
     threads: int = 1
     accelerator: str = "cpu"
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a run file records it: one seed (``seeds`` is the group's, in its

@@ -29,6 +29,8 @@ from dynamics.experiments.registry import get
 
 #: The package whose data files are the shipped configs.
 CONFIG_PACKAGE = "dynamics.configs"
+#: The key a run's config records its applied overrides under (never read from a file).
+OVERRIDES = "overrides"
 #: What a shipped config without an experiment is run with (it configures the Trainer itself).
 LIGHTNING_CLI = "LightningCLI"
 
@@ -86,18 +88,28 @@ def load_config(
     if not isinstance(name, str):
         raise ConfigError(f"config key 'experiment' must be an experiment name, got {name!r}")
     experiment = get(name)
-    for dotted, value in overrides.items():
-        if value is not None:
-            _override(data, dotted, value, experiment.config_class)
+    for old, new in experiment.config_class.moved_keys.items():
+        if old in data:
+            raise ConfigError(f"config key {old!r} is now {new!r}")
+    applied = {dotted: value for dotted, value in overrides.items() if value is not None}
+    for dotted, value in applied.items():
+        _override(data, dotted, value, experiment.config_class)
+    if OVERRIDES in data:
+        raise ConfigError(
+            f"config key {OVERRIDES!r} is what a run records of its --set overrides, not a key "
+            "to set; set the keys themselves"
+        )
     config = _build(experiment.config_class, data, "")
+    # seeds is the group's (each run records its own seed), so not a run's override
+    config.overrides = {k: v for k, v in applied.items() if k != "seeds"}
     steps = config.steps
-    if overrides.get("steps") is not None and 0 < steps < config.eval_every:
+    if "steps" in applied and "eval_every" not in applied and 0 < steps < config.eval_every:
         # validate() would blame the file's eval_every for the steps the caller asked for
         raise ParameterError(
             "steps",
             f"must be at least the config's eval_every ({config.eval_every}), or no held-out "
-            f"loss is ever measured, got {steps}; for fewer steps copy the config and lower "
-            "its eval_every",
+            f"loss is ever measured, got {steps}; for fewer steps add --set eval_every=N "
+            f"(N <= {steps})",
         )
     return experiment, config.validate()
 

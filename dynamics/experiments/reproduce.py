@@ -27,7 +27,7 @@ from dynamics.analysis.output import check_existing_output, check_output
 from dynamics.analysis.pages.group_comparison import write_group_comparison
 from dynamics.analysis.pages.page import Written
 from dynamics.errors import ParameterError
-from dynamics.experiments.config import ExperimentConfig
+from dynamics.experiments.config import ConfigError, ExperimentConfig
 from dynamics.experiments.config_files import configs_folder, load_config
 from dynamics.experiments.experiment import Experiment
 from dynamics.experiments.launchers import Launcher
@@ -127,6 +127,7 @@ def reproduce(
     only: list[str] | None = None,
     steps: int | None = None,
     seeds: list[int] | None = None,
+    sets: dict[str, Any] | None = None,
     command: str = "dynamics reproduce",
     progress: bool = True,
     sensitivity: bool = True,
@@ -144,6 +145,8 @@ def reproduce(
         steps: every experiment trains this many steps, evaluating every ``steps //
             EVALUATIONS`` steps (at least 1).
         seeds: every experiment uses these seeds.
+        sets: ``{dotted key: value}`` applied to every experiment's config (``--set``), over
+            the plan's own overrides.
         command: the command line, as the report shows it.
         progress: a line on stderr as each run ends.
         sensitivity: also run the controlled experiment over the sensitivity setups (when
@@ -167,8 +170,14 @@ def reproduce(
         )
     chosen = [stage for stage in plan if only is None or stage.key in only]
     setups = _sensitivity_stages(chosen) if sensitivity else []
+    varied = sorted({k for _, stage in setups for k in stage.overrides} & set(sets or {}))
+    if varied:
+        raise ParameterError(
+            "set",
+            f"{varied[0]} is what the sensitivity setups vary; add --no-sensitivity to set it",
+        )
     loaded = [
-        (stage, *_load(stage, Path(configs), steps, seeds))
+        (stage, *_load(stage, Path(configs), steps, seeds, sets or {}))
         for stage in [*chosen, *(stage for _, stage in setups)]
     ]
     report = out_dir / REPORT
@@ -270,13 +279,24 @@ def _measure_setups(
 
 
 def _load(
-    stage: Stage, configs: Path, steps: int | None, seeds: list[int] | None
+    stage: Stage,
+    configs: Path,
+    steps: int | None,
+    seeds: list[int] | None,
+    sets: dict[str, Any],
 ) -> tuple[Experiment, ExperimentConfig]:
     overrides = dict(stage.overrides)
     if steps is not None:
         overrides.update(steps=steps, eval_every=max(1, steps // EVALUATIONS))
+    overrides.update(sets)
     overrides["seeds"] = list(seeds or stage.seeds)
-    return load_config(configs / stage.config, **overrides)
+    try:
+        return load_config(configs / stage.config, **overrides)
+    except ConfigError as error:
+        if not sets:
+            raise
+        # the same --set reaches every stage: say which stage's experiment refused it
+        raise ConfigError(f"--set on {stage.key}: {error}") from None
 
 
 def _record(
@@ -289,7 +309,8 @@ def _record(
     wall_s: float,
 ) -> ExperimentRecord:
     settings = {"steps": config.steps, "eval_every": config.eval_every}
-    settings.update({k: v for k, v in stage.overrides.items() if k not in settings})
+    # the plan's overrides and every --set, as the runs record them
+    settings.update({k: v for k, v in config.overrides.items() if k not in settings})
     described = ", ".join(f"{k}={v}" for k, v in settings.items())
     return ExperimentRecord(
         stage.key,

@@ -21,6 +21,7 @@ from dynamics.callbacks import (
 )
 from dynamics.experiments.config import ConfigError, check_positive, check_seeds
 from dynamics.experiments.experiment import Built, Recording
+from dynamics.experiments.optimization import OptimizerConfig
 from dynamics.experiments.shift_experiment import (
     RecordConfig,
     ShiftConfig,
@@ -52,8 +53,10 @@ class TransformerModelConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    lr: float = 1e-3
+class AdamWConfig(OptimizerConfig):
+    """The transformers' ``optimizer:`` section: AdamW (torch's weight decay, 0.01) by default."""
+
+    name: str = "adamw"
 
 
 @dataclass
@@ -72,7 +75,7 @@ class ScaleupConfig(ShiftConfig):
     ``data`` has ``batch_size`` and ``data_seed``.
     """
 
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     record: ScaleupRecordConfig = field(default_factory=ScaleupRecordConfig)
     variants: dict[str, str | float] = field(default_factory=default_variants)
 
@@ -92,8 +95,7 @@ class ScaleupConfig(ShiftConfig):
             raise ConfigError(
                 f"model.heads ({model.heads}) must divide model.width ({model.width})"
             )
-        if self.optimizer.lr <= 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
+        self.optimizer.validate(self.steps)
         if model.activation not in ACTIVATION_MODULES:
             known = ", ".join(ACTIVATION_MODULES)
             raise ConfigError(f"model.activation must be one of {known}, got {model.activation!r}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from dynamics.experiments.autoencoder.model import INITS
 from dynamics.experiments.config import ConfigError, check_positive, check_seeds
+from dynamics.experiments.optimization import OptimizerConfig
 from dynamics.experiments.shift_experiment import RecordConfig, ShiftConfig
 
 #: The 1,797 digits of scikit-learn.
@@ -53,6 +54,13 @@ class AutoencoderRecordConfig(RecordConfig):
 
 
 @dataclass
+class AutoencoderOptimizerConfig(OptimizerConfig):
+    """The autoencoder's ``optimizer:`` section: Adam at 2e-3 by default."""
+
+    lr: float = 2e-3
+
+
+@dataclass
 class AutoencoderConfig(ShiftConfig):
     """One comparison: autoencoders that differ only in their ReLUs' shift (the variants are
     :class:`~dynamics.experiments.shift_experiment.ShiftConfig`'s).
@@ -64,10 +72,11 @@ class AutoencoderConfig(ShiftConfig):
     """
 
     variant_kind = "autoencoder"
+    moved_keys = {"lr": "optimizer.lr"}
 
     steps: int = 1500
     eval_every: int = 50
-    lr: float = 2e-3
+    optimizer: AutoencoderOptimizerConfig = field(default_factory=AutoencoderOptimizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     record: AutoencoderRecordConfig = field(default_factory=AutoencoderRecordConfig)
@@ -87,8 +96,7 @@ class AutoencoderConfig(ShiftConfig):
                 f"data.heldout_size + data.batch_size must be at most the {_DIGITS} digits, got "
                 f"{self.data.heldout_size + self.data.batch_size}"
             )
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        self.optimizer.validate(self.steps)
         if self.model.init not in INITS:
             raise ConfigError(
                 f"model.init must be one of {', '.join(INITS)}, got {self.model.init!r}"

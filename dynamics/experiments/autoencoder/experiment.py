@@ -52,7 +52,7 @@ class Autoencoder(ShiftExperiment[AutoencoderConfig]):
             init=config.model.init,
             shift=shift,
             seed=config.seed,
-            lr=config.lr,
+            **config.optimizer.module_kwargs(),
         )
 
     def data(self, config: AutoencoderConfig) -> DigitsData:

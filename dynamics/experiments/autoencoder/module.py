@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
 from dynamics.experiments.autoencoder.model import conv_autoencoder
+from dynamics.experiments.optimization import module_optimization
 from dynamics.experiments.shift_experiment import shifted_network
 
 
@@ -27,7 +30,10 @@ class AutoencoderModule(pl.LightningModule):
         shift: ``"none"``, or the shift :func:`dynamics.bias.shift_activations` applies to every
             ReLU (``"expected"``, ``"adaptive"`` — over channels — or a number).
         seed: initialization seed (equal seeds give equal θ0 whatever the shift).
-        lr: Adam learning rate.
+        lr: learning rate.
+        optimizer: ``adam`` by default, or ``adam``, ``adamw`` or ``sgd``.
+        optimizer_options: the other ``optimizer.`` keys
+            (:meth:`~dynamics.experiments.optimization.OptimizerConfig.options`); None: defaults.
     """
 
     def __init__(
@@ -37,6 +43,8 @@ class AutoencoderModule(pl.LightningModule):
         shift: str | float = "none",
         seed: int = 0,
         lr: float = 1e-3,
+        optimizer: str = "adam",
+        optimizer_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -56,5 +64,11 @@ class AutoencoderModule(pl.LightningModule):
         (images,) = batch
         self.log("val_loss", F.mse_loss(self(images), images))
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
+        return module_optimization(
+            self.parameters(),
+            self.hparams.optimizer,
+            self.hparams.lr,
+            self.hparams.optimizer_options,
+            self.trainer.max_steps,
+        )

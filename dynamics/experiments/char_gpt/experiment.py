@@ -35,7 +35,10 @@ class CharGPTExperiment(ScaleupExperiment[CharGPTConfig]):
 
     def module(self, config: CharGPTConfig, shift: str | float) -> CharGPTModule:
         return CharGPTModule(
-            **vars(config.model), shift=shift, seed=config.seed, lr=config.optimizer.lr
+            **vars(config.model),
+            shift=shift,
+            seed=config.seed,
+            **config.optimizer.module_kwargs(),
         )
 
     def data(self, config: CharGPTConfig) -> StdlibTextData:

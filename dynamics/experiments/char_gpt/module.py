@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
 from dynamics.experiments.char_gpt.model import CharGPT
+from dynamics.experiments.optimization import module_optimization
 from dynamics.experiments.shift_experiment import shifted_network
 from dynamics.experiments.transformer import MLP_ACTIVATIONS
 
@@ -32,7 +34,10 @@ class CharGPTModule(pl.LightningModule):
             MLP activation (``"adaptive"``: Eq. 9, each token's mean over the hidden features
             subtracted; ``"expected"`` or a number: a constant).
         seed: initialization seed (equal seeds give equal θ0 whatever the shift).
-        lr: AdamW learning rate.
+        lr: learning rate.
+        optimizer: ``adamw`` by default, or ``adam``, ``adamw`` or ``sgd``.
+        optimizer_options: the other ``optimizer.`` keys
+            (:meth:`~dynamics.experiments.optimization.OptimizerConfig.options`); None: defaults.
     """
 
     def __init__(
@@ -45,6 +50,8 @@ class CharGPTModule(pl.LightningModule):
         shift: str | float = "none",
         seed: int = 0,
         lr: float = 1e-3,
+        optimizer: str = "adamw",
+        optimizer_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -72,5 +79,11 @@ class CharGPTModule(pl.LightningModule):
         self.log("val_loss", loss, prog_bar=True)
         self.log("val_bpc", loss / math.log(2))
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
+        return module_optimization(
+            self.parameters(),
+            self.hparams.optimizer,
+            self.hparams.lr,
+            self.hparams.optimizer_options,
+            self.trainer.max_steps,
+        )

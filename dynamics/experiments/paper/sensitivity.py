@@ -122,6 +122,8 @@ class SetupResult:
 
     Attributes:
         setup: the setup.
+        trained: the optimizer and learning rate its runs recorded (what trained, whatever
+            the setup's label and the config folder say).
         seeds: the seeds measured.
         claims: the teacher–student claims, as the reproduction decides them.
         readings: each of :data:`READINGS` over time; absent when no seed gave it.
@@ -131,6 +133,7 @@ class SetupResult:
     """
 
     setup: Setup
+    trained: str
     seeds: tuple[int, ...]
     claims: list[ClaimResult]
     readings: dict[str, ReadingProfile]
@@ -163,6 +166,7 @@ class SetupResult:
             "label": self.setup.label,
             "overrides": dict(self.setup.overrides),
             "null": self.setup.null,
+            "trained": self.trained,
             "seeds": list(self.seeds),
             "claims": [r.to_dict() for r in self.claims],
             "readings": readings,
@@ -213,7 +217,9 @@ def measure_setup(
             steps, cut = _at_common_steps(series)
             readings[key] = ReadingProfile(steps, {seed: c for seed, (c,) in cut.items()})
     in_plane = _at_common_steps(shares) if shares else None
-    return SetupResult(setup, tuple(reference.seeds), claims, readings, in_plane, remarks)
+    optimizer = reference.runs[reference.seeds[0]].config.get("optimizer", {})
+    trained = f"{optimizer.get('name', '?')}, lr {optimizer.get('lr', '?'):g}"
+    return SetupResult(setup, trained, tuple(reference.seeds), claims, readings, in_plane, remarks)
 
 
 def reading_statements(results: Sequence[SetupResult]) -> list[str]:

@@ -22,9 +22,14 @@ __all__ = ["sensitivity_figure", "sensitivity_rows", "sensitivity_section"]
 def sensitivity_rows(results: Sequence[SetupResult]) -> tuple[tuple[str, ...], list[list[str]]]:
     """The verdict table: one row per setup, one column per claim (verdict and centre)."""
     claims = [r.claim.key for r in results[0].claims] if results else []
-    header = ("setup", "seeds", *claims)
+    header = ("setup", "trained with", "seeds", *claims)
     rows = [
-        [result.setup.label, str(len(result.seeds)), *map(_verdict_cell, result.claims)]
+        [
+            result.setup.label,
+            result.trained,
+            str(len(result.seeds)),
+            *map(_verdict_cell, result.claims),
+        ]
         for result in results
     ]
     return header, rows

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from dynamics.bias.activations import ACTIVATIONS
 from dynamics.experiments.config import ConfigError, check_positive, check_seeds, check_shifts
+from dynamics.experiments.optimization import OptimizerConfig
 from dynamics.experiments.shift_experiment import ShiftConfig
 from dynamics.experiments.teacher_student.model import parameter_count
-from dynamics.experiments.teacher_student.module import OPTIMIZERS
 from dynamics.system import check_fits
 
 
@@ -19,12 +19,6 @@ class ModelConfig:
     depth: int = 4
     activation: str = "relu"
     bias: bool = True
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = "adam"
-    lr: float = 1e-3
 
 
 @dataclass
@@ -67,13 +61,12 @@ class TeacherStudentConfig(ShiftConfig):
         check_seeds(
             {"data.teacher_seed": self.data.teacher_seed, "data.data_seed": self.data.data_seed}
         )
-        if self.optimizer.lr <= 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {self.optimizer.lr}")
-        choices = {"model.activation": (self.model.activation, ACTIVATIONS)}
-        choices["optimizer.name"] = (self.optimizer.name, OPTIMIZERS)
-        for key, (value, known) in choices.items():
-            if value not in known:
-                raise ConfigError(f"{key} must be one of {', '.join(known)}, got {value!r}")
+        self.optimizer.validate(self.steps)
+        if self.model.activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"model.activation must be one of {', '.join(ACTIVATIONS)}, "
+                f"got {self.model.activation!r}"
+            )
         check_shifts({"data.teacher_shift": self.data.teacher_shift})
         self._check_size()
         return self

@@ -47,8 +47,7 @@ class TeacherStudent(ShiftExperiment[TeacherStudentConfig]):
             **vars(config.model),
             shift=shift,
             seed=config.seed,
-            lr=config.optimizer.lr,
-            optimizer=config.optimizer.name,
+            **config.optimizer.module_kwargs(),
         )
 
     def data(self, config: TeacherStudentConfig) -> TeacherStudentData:

@@ -7,18 +7,15 @@ optimizer; they differ only in the shift.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
+from dynamics.experiments.optimization import OPTIMIZERS, module_optimization
 from dynamics.experiments.progress import logs_training_loss
 from dynamics.experiments.teacher_student.streams import seeded_residual_mlp
-
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "sgd": torch.optim.SGD,
-}
 
 
 class TeacherStudentModule(pl.LightningModule):
@@ -40,6 +37,8 @@ class TeacherStudentModule(pl.LightningModule):
         seed: initialization seed (equal seeds give bit-equal θ0 whatever the shift).
         lr: learning rate.
         optimizer: ``adam``, ``adamw`` or ``sgd``.
+        optimizer_options: the other ``optimizer.`` keys
+            (:meth:`~dynamics.experiments.optimization.OptimizerConfig.options`); None: defaults.
     """
 
     def __init__(
@@ -53,6 +52,7 @@ class TeacherStudentModule(pl.LightningModule):
         seed: int = 0,
         lr: float = 1e-3,
         optimizer: str = "adam",
+        optimizer_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -87,5 +87,11 @@ class TeacherStudentModule(pl.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self.dynamics_loss(batch), prog_bar=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return OPTIMIZERS[self.hparams.optimizer](self.parameters(), lr=self.hparams.lr)
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
+        return module_optimization(
+            self.parameters(),
+            self.hparams.optimizer,
+            self.hparams.lr,
+            self.hparams.optimizer_options,
+            self.trainer.max_steps,
+        )

@@ -32,7 +32,10 @@ class ViTDigitsExperiment(ScaleupExperiment[ViTDigitsConfig]):
 
     def module(self, config: ViTDigitsConfig, shift: str | float) -> ViTDigitsModule:
         return ViTDigitsModule(
-            **vars(config.model), shift=shift, seed=config.seed, lr=config.optimizer.lr
+            **vars(config.model),
+            shift=shift,
+            seed=config.seed,
+            **config.optimizer.module_kwargs(),
         )
 
     def data(self, config: ViTDigitsConfig) -> LabelledDigitsData:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
+from dynamics.experiments.optimization import module_optimization
 from dynamics.experiments.shift_experiment import shifted_network
 from dynamics.experiments.transformer import MLP_ACTIVATIONS
 from dynamics.experiments.vit_digits.model import ViT
@@ -30,7 +33,10 @@ class ViTDigitsModule(pl.LightningModule):
             MLP activation (``"adaptive"``: Eq. 9, each token's mean over the hidden features
             subtracted; ``"expected"`` or a number: a constant).
         seed: initialization seed (equal seeds give equal θ0 whatever the shift).
-        lr: AdamW learning rate.
+        lr: learning rate.
+        optimizer: ``adamw`` by default, or ``adam``, ``adamw`` or ``sgd``.
+        optimizer_options: the other ``optimizer.`` keys
+            (:meth:`~dynamics.experiments.optimization.OptimizerConfig.options`); None: defaults.
     """
 
     def __init__(
@@ -43,6 +49,8 @@ class ViTDigitsModule(pl.LightningModule):
         shift: str | float = "none",
         seed: int = 0,
         lr: float = 1e-3,
+        optimizer: str = "adamw",
+        optimizer_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -71,5 +79,11 @@ class ViTDigitsModule(pl.LightningModule):
         self.log("val_loss", F.cross_entropy(logits, labels))
         self.log("val_acc", (logits.argmax(dim=1) == labels).float().mean())
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
+        return module_optimization(
+            self.parameters(),
+            self.hparams.optimizer,
+            self.hparams.lr,
+            self.hparams.optimizer_options,
+            self.trainer.max_steps,
+        )
