@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dynamics.cli.common import INT64_MAX, check_range, print_table
-from dynamics.errors import DynamicsError
+from dynamics.errors import DynamicsError, ParameterError
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -74,13 +76,13 @@ def handle(args: argparse.Namespace) -> int:
     seeds = parse_seeds(args.seeds, "--seeds")
     grid: dict = {}
     for text in args.grid:
-        key, values = parse_choices(text, parameter="grid")
+        key, values = _flagged(parse_choices, text, "grid")
         if key in grid:
             raise DynamicsError(f"--grid {key} is given twice; give each key once")
         grid[key] = values
     shared: dict = {}
     for text in args.set:
-        key, value = parse_assignment(text, parameter="set")
+        key, value = _flagged(parse_assignment, text, "set")
         if key in shared:
             raise DynamicsError(f"--set {key} is given twice; give each key once")
         if key in grid:
@@ -113,3 +115,11 @@ def handle(args: argparse.Namespace) -> int:
             "the other cells are complete"
         )
     return 0
+
+
+def _flagged(parse: Callable[..., Any], text: str, parameter: str) -> Any:
+    """``parse(text, parameter=parameter)``, its error naming the flag (``--grid``)."""
+    try:
+        return parse(text, parameter=parameter)
+    except ParameterError as error:
+        raise DynamicsError(error.naming(f"--{parameter}")) from None
