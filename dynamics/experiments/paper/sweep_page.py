@@ -137,6 +137,14 @@ def _centre(result: CellResult, key: str) -> tuple[float | None, str]:
     return centre, claim.verdict
 
 
+def _bound(results: Sequence[CellResult], key: str) -> float | None:
+    for result in results:
+        for measured in result.claims:
+            if measured.claim.key == key and len(measured.claim.bounds) == 1:
+                return measured.claim.bounds[0]
+    return None
+
+
 def _claim_figure(
     results: Sequence[CellResult], claim: dict[str, Any], grid: dict[str, list[Any]]
 ) -> go.Figure | None:
@@ -173,6 +181,8 @@ def _claim_figure(
                 text=text,
                 texttemplate="%{text}",
                 colorscale="RdBu",
+                # One bound (the criterion's threshold): the colours part on either side of it.
+                zmid=_bound(results, claim["key"]),
                 colorbar={"title": {"text": "centre"}},
                 hovertemplate=f"{keys[0]}=%{{y}}<br>{keys[1]}=%{{x}}<br>%{{text}}<extra></extra>",
             )
