@@ -65,14 +65,8 @@ def handle(args: argparse.Namespace) -> int:
     from dynamics.experiments.overrides import parse_assignment, parse_choices
     from dynamics.experiments.paper.sweep_page import CELL_CLAIM_HEADER, cell_claim_rows
     from dynamics.experiments.sweep import grid_cells, run_cells
-    from dynamics.system import available_cores
 
     check_range("--steps", args.steps, 1, INT64_MAX)
-    cores = available_cores()
-    if args.jobs is not None and not 1 <= args.jobs <= cores:
-        raise DynamicsError(
-            f"--jobs must be from 1 to this machine's {cores} cores, got {args.jobs}"
-        )
     seeds = parse_seeds(args.seeds, "--seeds")
     grid: dict = {}
     for text in args.grid:

@@ -30,12 +30,15 @@ from dynamics.analysis.measures.seed_groups import (
     load_groups,
 )
 from dynamics.analysis.output import check_existing_output, write_atomically
+from dynamics.analysis.pages.group_comparison import write_group_comparison
 from dynamics.errors import DynamicsError, ParameterError
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.config_files import load_config
 from dynamics.experiments.experiment import Experiment
 from dynamics.experiments.paper.claims import CLAIMS, VERDICT_RULE, ClaimResult, evaluate_claims
+from dynamics.experiments.paper.sweep_page import write_sweep_page
 from dynamics.experiments.seed_runs import SUMMARY, GroupResult, check_outputs, run_seeds
+from dynamics.system import available_cores
 
 __all__ = [
     "CELLS",
@@ -59,6 +62,10 @@ SCHEMA = "dynamics-sweep"
 TRAINED, REUSED, FAILED = "trained", "reused", "failed"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
+#: The longest cell name, in bytes (file systems allow 255 per folder name).
+_LONGEST_NAME = 200
+#: Keys :func:`run_cells` sets itself.
+_RESERVED = ("seed", "seeds")
 
 
 @dataclass(frozen=True)
@@ -209,7 +216,8 @@ def run_cells(
         config: a config file or a shipped config's name.
         cells: the cells, in the page's order (:func:`grid_cells`, or any list of them).
         out_dir: the sweep's folder.
-        seeds: every cell's seeds.
+        seeds: every cell's seeds (a cell's or the base overrides' ``seed``/``seeds`` are
+            refused).
         jobs: runs at a time within a cell (the seed runner's ``jobs``).
         launcher: the seed runner's launcher (None: local processes).
         overwrite: replace existing outputs of cells that are not complete.
@@ -223,13 +231,18 @@ def run_cells(
         is one line in its result and on stderr, and the next cell goes on.
 
     Raises:
-        DynamicsError: before anything trains: no cells, two cells of one name, a key both in
+        DynamicsError: before anything trains: ``jobs`` out of range (a ParameterError), no
+            cells, two cells of one name (or one too long), a key both in
             ``base_overrides`` and a cell, a cell whose config is refused (the line names the
             cell, the key and the value), or an output that exists without ``overwrite``.
     """
     start = time.monotonic()
     out_dir = Path(out_dir)
     base = dict(base_overrides or {})
+    cores = available_cores()
+    if jobs is not None and not 1 <= jobs <= cores:
+        # The seed runner checks it too, but only per cell: every cell would fail alike.
+        raise ParameterError("jobs", f"must be from 1 to this machine's {cores} cores, got {jobs}")
     loaded = _load_cells(config, cells, base, list(seeds))
     json_path, page_path = out_dir / SWEEP, out_dir / PAGE
     _check_own_outputs(json_path, page_path, overwrite)
@@ -255,8 +268,6 @@ def run_cells(
     wall_s = time.monotonic() - start
     data = _sweep_json(config, loaded, results, base, list(seeds), command, wall_s)
     write_atomically(json_path, json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")
-    from dynamics.experiments.paper.sweep_page import write_sweep_page
-
     write_sweep_page(data, results, page_path)
     return SweepResult(results, data, json_path, page_path, wall_s)
 
@@ -271,7 +282,17 @@ def _load_cells(
     if twice is not None:
         raise DynamicsError(f"two cells are named {twice!r}; cell names must differ")
     loaded = []
+    reserved = [k for k in _RESERVED if k in base]
+    if reserved:
+        raise DynamicsError(f"{reserved[0]} is the sweep's seeds, not a shared setting")
     for cell in cells:
+        if len(cell.name.encode()) > _LONGEST_NAME:
+            raise DynamicsError(
+                f"cell name {cell.name[:40]}... is longer than {_LONGEST_NAME} bytes; name it"
+            )
+        reserved = [k for k in _RESERVED if k in cell.overrides]
+        if reserved:
+            raise DynamicsError(f"cell {cell.name}: {reserved[0]} is the sweep's seeds, not a key")
         shared = sorted(set(cell.overrides) & set(base))
         if shared:
             raise DynamicsError(
@@ -369,8 +390,6 @@ def _run_cell(
         comparisons = compare_groups(groups)
         page = folder / COMPARISON
         if status == TRAINED or not page.is_file():
-            from dynamics.analysis.pages.group_comparison import write_group_comparison
-
             write_group_comparison(groups, comparisons, page, True)
         claims = [
             result

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import plotly.graph_objects as go
 
@@ -22,10 +23,9 @@ from dynamics.analysis.pages.page import Written, figure_html, html_page, html_t
 from dynamics.experiments.paper.claims import REPRODUCED
 from dynamics.experiments.paper.reproduction_page import claim_rows
 
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from dynamics.experiments.sweep import CellResult
+#: A sweep's cell result (:class:`dynamics.experiments.sweep.CellResult`), which this module
+#: may not import: the sweep imports the claims and this page from the paper, not the reverse.
+CellResult = Any
 
 __all__ = ["CELL_CLAIM_HEADER", "cell_claim_rows", "write_sweep_page"]
 
