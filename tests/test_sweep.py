@@ -222,3 +222,19 @@ def test_a_foreign_file_in_place_of_the_summary_is_refused(tmp_path, capsys):
     (tmp_path / "out" / "sweep.json").write_text('{"mine": true}')
     refused_in_process(sweep_argv(tmp_path), capsys, "sweep.json exists; pass --overwrite")
     assert files_under(tmp_path / "out") == {"sweep.json": b'{"mine": true}'}
+
+
+def test_an_extended_grid_trains_only_its_new_cells(swept):
+    folder, _ = swept
+    out = folder / "out"
+    kept = list(out.glob("cells/*/*/*.h5"))
+    before = {p: p.stat().st_mtime_ns for p in kept}
+    argv = [str(a) for a in sweep_argv(folder)]
+    argv[argv.index("optimizer.lr=1e-3,1e-2")] = "optimizer.lr=1e-3,1e-2,3e-2"
+    result = run_dynamics(*argv, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert {p: p.stat().st_mtime_ns for p in kept} == before
+    data = sweep_json(folder)
+    assert data["grid"] == {"optimizer.lr": [*LRS, 0.03]}
+    assert [c["status"] for c in data["cells"]] == ["reused", "reused", "trained"]
+    assert len(list((out / "cells" / "optimizer.lr=0.03").glob("*/seed*.h5"))) == 4

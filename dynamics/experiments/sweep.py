@@ -193,7 +193,7 @@ def run_cells(
     *,
     seeds: Sequence[int],
     jobs: int | None = None,
-    launcher: str | None = None,
+    launcher: Any = None,
     overwrite: bool = False,
     progress: bool = True,
     base_overrides: Mapping[str, Any] | None = None,
@@ -219,7 +219,8 @@ def run_cells(
         seeds: every cell's seeds (a cell's or the base overrides' ``seed``/``seeds`` are
             refused).
         jobs: runs at a time within a cell (the seed runner's ``jobs``).
-        launcher: the seed runner's launcher (None: local processes).
+        launcher: the seed runner's launcher (None: local processes; not yet taken by this
+            version's seed runner).
         overwrite: replace existing outputs of cells that are not complete.
         progress: a line on stderr as each run and each cell ends.
         base_overrides: overrides every cell shares (``steps``, ``eval_every``); none of
@@ -243,6 +244,10 @@ def run_cells(
     if jobs is not None and not 1 <= jobs <= cores:
         # The seed runner checks it too, but only per cell: every cell would fail alike.
         raise ParameterError("jobs", f"must be from 1 to this machine's {cores} cores, got {jobs}")
+    if launcher is not None:
+        raise ParameterError("launcher", "is not taken by this version's seed runner")
+    if not seeds:
+        raise ParameterError("seeds", "needs at least one seed")
     loaded = _load_cells(config, cells, base, list(seeds))
     json_path, page_path = out_dir / SWEEP, out_dir / PAGE
     _check_own_outputs(json_path, page_path, overwrite)
@@ -253,20 +258,27 @@ def run_cells(
         if summary is not None:
             reusable[cell.name] = summary
             continue
-        check_outputs(experiment, cell_config, folder, overwrite)
+        _check_group(experiment, cell_config, folder, overwrite)
         check_existing_output(folder / COMPARISON, overwrite)
     results = []
     for index, (cell, experiment, cell_config) in enumerate(loaded, 1):
         began = time.monotonic()
         result = _run_cell(
-            cell, experiment, cell_config, out_dir, reusable.get(cell.name), overwrite, jobs,
-            progress, launcher,
-        )  # fmt: skip
+            cell,
+            experiment,
+            cell_config,
+            out_dir,
+            reusable.get(cell.name),
+            overwrite,
+            jobs,
+            progress,
+        )
         result = _with_wall(result, time.monotonic() - began)
         results.append(result)
         _report(index, len(loaded), result, progress)
     wall_s = time.monotonic() - start
     data = _sweep_json(config, loaded, results, base, list(seeds), command, wall_s)
+    out_dir.mkdir(parents=True, exist_ok=True)  # every cell may have failed before making it
     write_atomically(json_path, json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")
     write_sweep_page(data, results, page_path)
     return SweepResult(results, data, json_path, page_path, wall_s)
@@ -342,6 +354,15 @@ def _complete_summary(folder: Path, config: ExperimentConfig) -> dict[str, Any] 
     return summary
 
 
+# The seed runner's launcher= and reuse_finished= (finished runs of a cell read back) arrive
+# with the launchers branch: then these two calls pass reuse_finished=True (and launcher=).
+def _check_group(
+    experiment: Experiment, config: ExperimentConfig, folder: Path, overwrite: bool
+) -> None:
+    """Refuse a cell's outputs as the seed runner would, before any cell trains."""
+    check_outputs(experiment, config, folder, overwrite)
+
+
 def _run_group(
     experiment: Experiment,
     config: ExperimentConfig,
@@ -349,11 +370,8 @@ def _run_group(
     overwrite: bool,
     jobs: int | None,
     progress: bool,
-    launcher: str | None,
 ) -> GroupResult:
-    """The seed runner on one cell (the one call that changes when it takes a launcher)."""
-    if launcher is not None:
-        raise ParameterError("launcher", "is not taken by this version's seed runner")
+    """The seed runner on one cell."""
     return run_seeds(experiment, config, folder, overwrite, jobs, progress)
 
 
@@ -366,7 +384,6 @@ def _run_cell(
     overwrite: bool,
     jobs: int | None,
     progress: bool,
-    launcher: str | None,
 ) -> CellResult:
     folder = out_dir / CELLS / cell.name
     status = REUSED
@@ -374,7 +391,7 @@ def _run_cell(
         status = TRAINED
         try:
             # A cell that crashes is one line; the others go on.
-            group = _run_group(experiment, config, folder, overwrite, jobs, progress, launcher)
+            group = _run_group(experiment, config, folder, overwrite, jobs, progress)
         except Exception as error:
             return CellResult(cell, FAILED, _one_line(error))
         summary = group.summary
