@@ -109,6 +109,8 @@ def test_the_summary_holds_each_cells_claims_and_paired_statistics(swept):
         final = next(s for s in paired["statistics"] if s["measure"].startswith("final "))
         assert claims["late-win"]["statistic"]["values"] == final["values"]
         assert claims["late-win"]["statistic"]["seeds"] == [0, 1]
+        summary = json.loads((folder / "out" / cell["folder"] / "summary.json").read_text())
+        assert cell["figures"]["shifted"] == summary["variants"]["shifted"]["figures"]
 
 
 def test_the_page_links_every_cell_and_shows_each_claim(swept):

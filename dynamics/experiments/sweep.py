@@ -167,6 +167,10 @@ class CellResult:
                 "statistics": [stat.to_dict() for stat in self.paired.statistics],
             },
             "summary": None if self.summary is None else f"{self.folder}/{SUMMARY}",
+            # The seed runner's figures per variant (final losses over seeds), as its summary.
+            "figures": None
+            if self.summary is None
+            else {v: e["figures"] for v, e in self.summary.get("variants", {}).items()},
         }
 
 
