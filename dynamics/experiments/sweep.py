@@ -350,8 +350,12 @@ def _complete_summary(folder: Path, config: ExperimentConfig) -> dict[str, Any] 
     wanted = json.loads(json.dumps(wanted, default=str))
     if not isinstance(summary, dict) or summary.get("failed") or summary.get("config") != wanted:
         return None
-    runs = [r for v in summary.get("variants", {}).values() for r in v.get("runs", {}).values()]
-    if len(runs) != len(summary.get("variants", {})) * len(wanted["seeds"]):
+    try:
+        variants = summary["variants"]
+        runs = [run for entry in variants.values() for run in entry["runs"].values()]
+    except (KeyError, AttributeError, TypeError):  # not a summary the seed runner wrote
+        return None
+    if len(runs) != len(variants) * len(wanted["seeds"]):
         return None
     if not all((folder / run).is_file() for run in runs):
         return None
