@@ -21,6 +21,7 @@ def test_build_parser_holds_every_command():
     commands = build_parser()._subparsers._group_actions[0].choices
     assert set(commands) == {
         "run",
+        "sweep",
         "configs",
         "reproduce",
         "info",

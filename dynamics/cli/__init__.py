@@ -23,6 +23,7 @@ from dynamics.cli import (
     reproduce,
     run,
     spectra,
+    sweep,
     watch,
 )
 from dynamics.cli.common import (
@@ -36,7 +37,20 @@ from dynamics.cli.stdout import Stdout, StdoutFailed, discard
 from dynamics.errors import DynamicsError
 
 #: One module per command, in the order ``dynamics --help`` lists them.
-COMMANDS = (run, configs, reproduce, info, watch, plane, report, compare, overshoot, audit, spectra)
+COMMANDS = (
+    run,
+    sweep,
+    configs,
+    reproduce,
+    info,
+    watch,
+    plane,
+    report,
+    compare,
+    overshoot,
+    audit,
+    spectra,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
