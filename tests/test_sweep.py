@@ -5,8 +5,10 @@ a failed cell is one line, bad input is refused before anything is written."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -16,6 +18,7 @@ from dynamics.experiments.paper.claims import CLAIMS, NOT_RUN
 from dynamics.experiments.sweep import Cell, grid_cells, run_cells
 from dynamics.store import open_run
 from tests.conftest import TINY_EXPERIMENT, assert_one_line_error, run_dynamics
+from tests.test_seeds import recorded
 from tests.test_user_input import files_under, refused_in_process
 
 LRS = (0.001, 0.01)
@@ -128,7 +131,9 @@ def test_a_changed_cell_is_refused_not_overwritten(swept, capsys):
     before = files_under(folder / "out")
     argv = sweep_argv(folder)
     argv[argv.index("--steps") + 1] = "30"  # another config: the cells are no longer complete
-    refused_in_process(argv, capsys, "seed0.h5 exists; pass --overwrite")
+    refused_in_process(
+        argv, capsys, "seed0.h5 finished with another config (overrides.steps: 20 there, 30 now)"
+    )
     assert files_under(folder / "out") == before
 
 
@@ -195,7 +200,7 @@ def test_explicit_cells_through_the_library(tmp_path):
         (["--grid", "optimizer.name=sgd,sgd"], "the value 'sgd' is given twice"),
         (["--set", "optimizer.lr=0.1"], "optimizer.lr is both in --grid and in --set"),
         (["--set", "eval_every=many"], "eval_every"),
-        (["--set", "steps=5"], "steps is given by --steps and by --grid or --set"),
+        (["--set", "steps=5"], "steps is also given by its own flag"),
         (["--jobs", "0"], "--jobs must be from 1 to"),
         (["--seeds", "2-1"], "--seeds: the range 2-1 runs backwards"),
     ],
@@ -240,3 +245,41 @@ def test_an_extended_grid_trains_only_its_new_cells(swept):
     assert data["grid"] == {"optimizer.lr": [*LRS, 0.03]}
     assert [c["status"] for c in data["cells"]] == ["reused", "reused", "trained"]
     assert len(list((out / "cells" / "optimizer.lr=0.03").glob("*/seed*.h5"))) == 4
+
+
+def test_a_cell_missing_a_run_trains_that_run_alone(swept, tmp_path):
+    """A cell left incomplete (a run deleted, as by a job killed before it wrote) is not
+    reused whole: the seed runner reads back its finished runs and trains the missing one."""
+    folder = tmp_path / "copy"
+    shutil.copytree(swept[0], folder)
+    cell = folder / "out" / "cells" / CELLS[0]
+    missing = cell / "shifted" / "seed1.h5"
+    missing.unlink()
+    kept = [p for p in cell.rglob("*.h5")]
+    before = {p: p.stat().st_mtime_ns for p in kept}
+    result = run_dynamics(*sweep_argv(folder))
+    assert result.returncode == 0, result.stderr
+    assert {p: p.stat().st_mtime_ns for p in kept} == before
+    assert open_run(missing).status().state == "finished"
+    assert [c["status"] for c in sweep_json(folder)["cells"]] == ["trained", "reused"]
+    original = swept[0] / "out" / "cells" / CELLS[0] / "shifted" / "seed1.h5"
+    for name, values in recorded(original).items():
+        np.testing.assert_array_equal(values, recorded(missing)[name], err_msg=name)
+
+
+def test_a_sweep_through_submitits_local_executor_records_what_local_runs_record(swept, tmp_path):
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY_EXPERIMENT))
+    argv = sweep_argv(tmp_path, "--launcher", "submitit-local")
+    argv[argv.index("0-1")] = "0"
+    del argv[argv.index("--jobs") : argv.index("--jobs") + 2]
+    result = run_dynamics(*argv)
+    assert result.returncode == 0, result.stderr
+    assert [c["status"] for c in sweep_json(tmp_path)["cells"]] == ["trained", "trained"]
+    for cell in CELLS:
+        for variant in ("unshifted", "shifted"):
+            local = swept[0] / "out" / "cells" / cell / variant / "seed0.h5"
+            job = tmp_path / "out" / "cells" / cell / variant / "seed0.h5"
+            for name, values in recorded(local).items():
+                np.testing.assert_array_equal(values, recorded(job)[name], err_msg=name)
+    assert list((tmp_path / "out" / ".submitit").glob("*_0_log.err"))
+    assert (tmp_path / "out" / "sweep.html").is_file()

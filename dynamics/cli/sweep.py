@@ -9,7 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dynamics.cli.common import INT64_MAX, check_range, print_table
+from dynamics.cli.common import (
+    INT64_MAX,
+    add_launcher_arguments,
+    check_range,
+    launcher_from_args,
+    print_table,
+)
+from dynamics.cli.overrides import add_set_argument, set_overrides
 from dynamics.errors import DynamicsError, ParameterError
 
 
@@ -39,17 +46,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         required=True,
         help="folder for sweep.json, sweep.html and cells/<cell>/ (runs, summary, compare.html)",
     )
-    sweep.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config key every cell shares (repeatable), e.g. eval_every=20",
-    )
     sweep.add_argument("--steps", type=int, help="override the optimizer steps")
     sweep.add_argument(
-        "--jobs", type=int, help="runs at a time, each in its own process (default: the cores)"
+        "--jobs",
+        type=int,
+        help="runs at a time, each in its own process (default: the cores); with a submitit "
+        "launcher, jobs at a time (default: all)",
     )
+    add_set_argument(sweep)
+    add_launcher_arguments(sweep)
     sweep.add_argument(
         "--overwrite",
         action="store_true",
@@ -62,7 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     """Check the grid, run the cells, print a table per claim and where the page went."""
     from dynamics.experiments.config import parse_seeds
-    from dynamics.experiments.overrides import parse_assignment, parse_choices
+    from dynamics.experiments.overrides import parse_choices
     from dynamics.experiments.paper.sweep_page import CELL_CLAIM_HEADER, cell_claim_rows
     from dynamics.experiments.sweep import grid_cells, run_cells
 
@@ -74,24 +79,17 @@ def handle(args: argparse.Namespace) -> int:
         if key in grid:
             raise DynamicsError(f"--grid {key} is given twice; give each key once")
         grid[key] = values
-    shared: dict = {}
-    for text in args.set:
-        key, value = _flagged(parse_assignment, text, "set")
-        if key in shared:
-            raise DynamicsError(f"--set {key} is given twice; give each key once")
-        if key in grid:
-            raise DynamicsError(f"{key} is both in --grid and in --set; give it in one")
-        shared[key] = value
-    if args.steps is not None:
-        if "steps" in grid or "steps" in shared:
-            raise DynamicsError("steps is given by --steps and by --grid or --set; give it once")
-        shared["steps"] = args.steps
+    shared = set_overrides(args.set, {"steps": args.steps})  # what every cell shares
+    both = next((key for key in grid if key in shared), None)
+    if both is not None:
+        raise DynamicsError(f"{both} is both in --grid and in --set or --steps; give it once")
     result = run_cells(
         args.config,
         grid_cells(grid),
         args.out,
         seeds=seeds,
         jobs=args.jobs,
+        launcher=launcher_from_args(args, args.out),
         overwrite=args.overwrite,
         progress=not args.no_progress,
         base_overrides=shared,

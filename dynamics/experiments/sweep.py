@@ -35,6 +35,7 @@ from dynamics.errors import DynamicsError, ParameterError
 from dynamics.experiments.config import ExperimentConfig
 from dynamics.experiments.config_files import load_config
 from dynamics.experiments.experiment import Experiment
+from dynamics.experiments.launchers import Launcher
 from dynamics.experiments.paper.claims import CLAIMS, VERDICT_RULE, ClaimResult, evaluate_claims
 from dynamics.experiments.paper.sweep_page import write_sweep_page
 from dynamics.experiments.seed_runs import SUMMARY, GroupResult, check_outputs, run_seeds
@@ -197,7 +198,7 @@ def run_cells(
     *,
     seeds: Sequence[int],
     jobs: int | None = None,
-    launcher: Any = None,
+    launcher: Launcher | None = None,
     overwrite: bool = False,
     progress: bool = True,
     base_overrides: Mapping[str, Any] | None = None,
@@ -223,8 +224,8 @@ def run_cells(
         seeds: every cell's seeds (a cell's or the base overrides' ``seed``/``seeds`` are
             refused).
         jobs: runs at a time within a cell (the seed runner's ``jobs``).
-        launcher: the seed runner's launcher (None: local processes; not yet taken by this
-            version's seed runner).
+        launcher: where each cell's runs train (the seed runner's; None: this machine's
+            processes). A cell's runs go out together; the cells one after another.
         overwrite: replace existing outputs of cells that are not complete.
         progress: a line on stderr as each run and each cell ends.
         base_overrides: overrides every cell shares (``steps``, ``eval_every``); none of
@@ -245,16 +246,15 @@ def run_cells(
     out_dir = Path(out_dir)
     base = dict(base_overrides or {})
     cores = available_cores()
-    if jobs is not None and not 1 <= jobs <= cores:
+    if launcher is None and jobs is not None and not 1 <= jobs <= cores:
         # The seed runner checks it too, but only per cell: every cell would fail alike.
         raise ParameterError("jobs", f"must be from 1 to this machine's {cores} cores, got {jobs}")
-    if launcher is not None:
-        raise ParameterError("launcher", "is not taken by this version's seed runner")
     if not seeds:
         raise ParameterError("seeds", "needs at least one seed")
     loaded = _load_cells(config, cells, base, list(seeds))
     json_path, page_path = out_dir / SWEEP, out_dir / PAGE
-    _check_own_outputs(json_path, page_path, overwrite)
+    # A sweep's own folder (a rerun): its summary, page and cells' comparisons are replaced.
+    ours = _check_own_outputs(json_path, page_path, overwrite)
     reusable = {}
     for cell, experiment, cell_config in loaded:
         folder = out_dir / CELLS / cell.name
@@ -263,7 +263,7 @@ def run_cells(
             reusable[cell.name] = summary
             continue
         _check_group(experiment, cell_config, folder, overwrite)
-        check_existing_output(folder / COMPARISON, overwrite)
+        check_existing_output(folder / COMPARISON, overwrite or ours)
     results = []
     for index, (cell, experiment, cell_config) in enumerate(loaded, 1):
         began = time.monotonic()
@@ -276,6 +276,7 @@ def run_cells(
             overwrite,
             jobs,
             progress,
+            launcher,
         )
         result = _with_wall(result, time.monotonic() - began)
         results.append(result)
@@ -322,9 +323,9 @@ def _load_cells(
     return loaded
 
 
-def _check_own_outputs(json_path: Path, page_path: Path, overwrite: bool) -> None:
+def _check_own_outputs(json_path: Path, page_path: Path, overwrite: bool) -> bool:
     """The summary and page are replaced without ``overwrite`` only when ``sweep.json`` is a
-    sweep's own (a rerun of the sweep in this folder)."""
+    sweep's own (a rerun of the sweep in this folder); returns whether it is."""
     ours = False
     if json_path.is_file() and not json_path.is_symlink():
         try:
@@ -333,6 +334,7 @@ def _check_own_outputs(json_path: Path, page_path: Path, overwrite: bool) -> Non
             ours = False
     for path in (json_path, page_path):
         check_existing_output(path, overwrite or ours)
+    return ours
 
 
 def _complete_summary(folder: Path, config: ExperimentConfig) -> dict[str, Any] | None:
@@ -362,13 +364,12 @@ def _complete_summary(folder: Path, config: ExperimentConfig) -> dict[str, Any] 
     return summary
 
 
-# The seed runner's launcher= and reuse_finished= (finished runs of a cell read back) arrive
-# with the launchers branch: then these two calls pass reuse_finished=True (and launcher=).
 def _check_group(
     experiment: Experiment, config: ExperimentConfig, folder: Path, overwrite: bool
 ) -> None:
-    """Refuse a cell's outputs as the seed runner would, before any cell trains."""
-    check_outputs(experiment, config, folder, overwrite)
+    """Refuse a cell's outputs as the seed runner would, before any cell trains (its finished
+    runs of the same config are kept, to be read back)."""
+    check_outputs(experiment, config, folder, overwrite, reuse_finished=True)
 
 
 def _run_group(
@@ -378,9 +379,12 @@ def _run_group(
     overwrite: bool,
     jobs: int | None,
     progress: bool,
+    launcher: Launcher | None,
 ) -> GroupResult:
-    """The seed runner on one cell."""
-    return run_seeds(experiment, config, folder, overwrite, jobs, progress)
+    """The seed runner on one cell, reading back the runs an earlier sweep finished."""
+    return run_seeds(
+        experiment, config, folder, overwrite, jobs, progress, launcher, reuse_finished=True
+    )
 
 
 def _run_cell(
@@ -392,6 +396,7 @@ def _run_cell(
     overwrite: bool,
     jobs: int | None,
     progress: bool,
+    launcher: Launcher | None,
 ) -> CellResult:
     folder = out_dir / CELLS / cell.name
     status = REUSED
@@ -399,7 +404,7 @@ def _run_cell(
         status = TRAINED
         try:
             # A cell that crashes is one line; the others go on.
-            group = _run_group(experiment, config, folder, overwrite, jobs, progress)
+            group = _run_group(experiment, config, folder, overwrite, jobs, progress, launcher)
         except Exception as error:
             return CellResult(cell, FAILED, _one_line(error))
         summary = group.summary
