@@ -11,7 +11,6 @@ import json
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -82,13 +81,11 @@ def test_a_rerun_with_reuse_finished_trains_nothing(groups):
     before = {p: p.stat().st_mtime_ns for p in runs}
     jobs = set((out / ".submitit").iterdir())
     summary = json.loads((out / "summary.json").read_text())
-    start = time.monotonic()
     result = run_dynamics(
         "run", folder / "tiny.yaml", "--seeds", "0-1", "--out", out,
         "--launcher", "submitit-local", "--reuse-finished",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert time.monotonic() - start < 25  # the import of the package, no training
     assert "4 of 4 runs finished before with this config: read back" in result.stderr
     assert {p: p.stat().st_mtime_ns for p in runs} == before
     assert set((out / ".submitit").iterdir()) == jobs  # no job was submitted

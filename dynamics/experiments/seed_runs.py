@@ -253,6 +253,11 @@ def finished_runs(
             if state != "finished":
                 continue  # a partial run: trained again
             planned = decode_attr(encode_attr(runner.recorded_config(experiment, one, variant)))
+            # What trained is compared, not how it was asked for: the same steps from the
+            # file or from --steps train the same run (each file keeps its own overrides).
+            stored, planned = (
+                {k: v for k, v in c.items() if k != "overrides"} for c in (stored, planned)
+            )
             if stored == planned:
                 reused[variant, seed] = path
             elif not overwrite:
