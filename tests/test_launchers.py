@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -212,3 +213,16 @@ def test_a_cluster_launcher_without_submitit_says_how_to_install_it(tmp_path):
         "--launcher slurm needs submitit: pip install 'dynamics-for-pytorch[cluster]'"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="this machine has Slurm")
+def test_slurm_asked_for_where_there_is_none_is_one_line(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "out"
+    for command in (["run", tmp_path / "tiny.yaml", "--seeds", "0"],
+                    ["sweep", tmp_path / "tiny.yaml", "--grid", "optimizer.lr=1e-3",
+                     "--seeds", "0"]):  # fmt: skip
+        result = run_dynamics(*command, "--out", out, "--launcher", "slurm")
+        assert_one_line_error(result)
+        assert "the slurm launcher cannot start here: " in result.stderr
+        assert not out.exists()

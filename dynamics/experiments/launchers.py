@@ -216,7 +216,10 @@ class SubmititLauncher(Launcher):
             raise ParameterError("poll_s", f"must be > 0, got {poll_s}")
         self.folder, self.cluster, self.jobs, self.poll_s = Path(folder), cluster, jobs, poll_s
         self.parameters = {"timeout_min": DEFAULT_TIMEOUT_MIN, **(parameters or {})}
-        self._executor = submitit.AutoExecutor(folder=self.folder, cluster=cluster)
+        try:
+            self._executor = submitit.AutoExecutor(folder=self.folder, cluster=cluster)
+        except RuntimeError as error:  # e.g. Slurm asked for where there is no srun
+            raise DynamicsError(f"the {cluster} launcher cannot start here: {error}") from None
         settings = dict(self.parameters)
         if cluster == "slurm" and jobs is not None:
             settings["slurm_array_parallelism"] = jobs  # the scheduler keeps the array to it
