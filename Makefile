@@ -28,7 +28,7 @@ demo: $(BIN)/.installed
 	@echo "Results: $(DEMO_OUT)/compare.html (side by side), $(DEMO_OUT)/plane.html (gradient plane), run files $(DEMO_OUT)/*.h5"
 
 # The paper's experiments over seeds and the report of its claims (runs/reproduce/reproduce.html);
-# `dynamics reproduce --quick` is the few-minute version.
+# `dynamics reproduce --quick` is the ten-minute version.
 reproduce: $(BIN)/.installed
 	$(BIN)/dynamics reproduce --out $(REPRODUCE_OUT) --overwrite
 
