@@ -132,7 +132,7 @@ def test_a_changed_cell_is_refused_not_overwritten(swept, capsys):
     argv = sweep_argv(folder)
     argv[argv.index("--steps") + 1] = "30"  # another config: the cells are no longer complete
     refused_in_process(
-        argv, capsys, "seed0.h5 finished with another config (overrides.steps: 20 there, 30 now)"
+        argv, capsys, "seed0.h5 finished with another config (steps: 20 there, 30 now)"
     )
     assert files_under(folder / "out") == before
 
