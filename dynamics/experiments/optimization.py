@@ -163,19 +163,18 @@ def build_optimization(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def module_optimization(
-    parameters: Iterable[torch.nn.Parameter],
-    name: str,
-    lr: float,
-    options: dict[str, Any] | None,
-    steps: int | None,
-) -> torch.optim.Optimizer | dict[str, Any]:
-    """:func:`build_optimization` from a module's hyperparameters (``optimizer_options`` is
-    :meth:`OptimizerConfig.options`; ``steps`` the trainer's ``max_steps``).
+def module_optimization(module: Any) -> torch.optim.Optimizer | dict[str, Any]:
+    """:func:`build_optimization` from a LightningModule's hyperparameters (``optimizer``,
+    ``lr``, ``optimizer_options``: :meth:`OptimizerConfig.options`) over its parameters, the
+    schedule ending at its trainer's ``max_steps``: every experiment's ``configure_optimizers``.
 
     Example::
 
-        module_optimization(self.parameters(), "adam", 1e-3, None, self.trainer.max_steps)
+        def configure_optimizers(self):
+            return module_optimization(self)
     """
-    config = OptimizerConfig(name=name, lr=lr, **(options or {}))
-    return build_optimization(parameters, config, max(1, steps or 1))
+    hparams = module.hparams
+    config = OptimizerConfig(
+        name=hparams.optimizer, lr=hparams.lr, **(hparams.optimizer_options or {})
+    )
+    return build_optimization(module.parameters(), config, max(1, module.trainer.max_steps or 1))

@@ -65,10 +65,4 @@ class AutoencoderModule(pl.LightningModule):
         self.log("val_loss", F.mse_loss(self(images), images))
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
-        return module_optimization(
-            self.parameters(),
-            self.hparams.optimizer,
-            self.hparams.lr,
-            self.hparams.optimizer_options,
-            self.trainer.max_steps,
-        )
+        return module_optimization(self)

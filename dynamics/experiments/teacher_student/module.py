@@ -88,10 +88,4 @@ class TeacherStudentModule(pl.LightningModule):
         self.log("val_loss", self.dynamics_loss(batch), prog_bar=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
-        return module_optimization(
-            self.parameters(),
-            self.hparams.optimizer,
-            self.hparams.lr,
-            self.hparams.optimizer_options,
-            self.trainer.max_steps,
-        )
+        return module_optimization(self)

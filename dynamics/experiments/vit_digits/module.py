@@ -80,10 +80,4 @@ class ViTDigitsModule(pl.LightningModule):
         self.log("val_acc", (logits.argmax(dim=1) == labels).float().mean())
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
-        return module_optimization(
-            self.parameters(),
-            self.hparams.optimizer,
-            self.hparams.lr,
-            self.hparams.optimizer_options,
-            self.trainer.max_steps,
-        )
+        return module_optimization(self)
