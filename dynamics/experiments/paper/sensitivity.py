@@ -217,8 +217,7 @@ def measure_setup(
             steps, cut = _at_common_steps(series)
             readings[key] = ReadingProfile(steps, {seed: c for seed, (c,) in cut.items()})
     in_plane = _at_common_steps(shares) if shares else None
-    optimizer = reference.runs[reference.seeds[0]].config.get("optimizer", {})
-    trained = f"{optimizer.get('name', '?')}, lr {optimizer.get('lr', '?'):g}"
+    trained = _trained_with(reference.runs[reference.seeds[0]].config)
     return SetupResult(setup, trained, tuple(reference.seeds), claims, readings, in_plane, remarks)
 
 
@@ -249,6 +248,17 @@ def reading_statements(results: Sequence[SetupResult]) -> list[str]:
             parts.append(f"not measured: {', '.join(missing)}")
         lines.append(f"{result.setup.label}: " + "; ".join(parts) + ".")
     return lines
+
+
+def _trained_with(config: Mapping[str, Any]) -> str:
+    """The optimizer and learning rate a run's stored config names ("adam, lr 0.001"); a run
+    file is input, so a value of another type is shown as "?", not formatted."""
+    optimizer = config.get("optimizer")
+    optimizer = optimizer if isinstance(optimizer, Mapping) else {}
+    name, lr = optimizer.get("name"), optimizer.get("lr")
+    name = name if isinstance(name, str) else "?"
+    lr = f"{lr:g}" if isinstance(lr, (int, float)) and not isinstance(lr, bool) else "?"
+    return f"{name}, lr {lr}"
 
 
 def _at_common_steps(
