@@ -5,6 +5,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 import yaml
 
 from dynamics import open_run
@@ -81,3 +82,24 @@ def test_ctrl_c_with_parallel_jobs_ends_every_child_quietly(tmp_path):
     for path in runs:
         _closed(path)
     assert not list(tmp_path.rglob("*.lock"))
+
+
+def test_a_child_that_missed_ctrl_c_while_starting_ends_before_training():
+    """A child ignores Ctrl-C until it has imported; the parent's flag, set before it passes
+    Ctrl-C on, stops a child that missed it, before it trains (it would run until terminated,
+    its run file recorded as killed by SIGTERM)."""
+    import multiprocessing
+
+    from dynamics.experiments import launchers
+
+    receive, send = multiprocessing.Pipe(duplex=False)
+    interrupted = multiprocessing.Event()
+    interrupted.set()
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            launchers._child(send, interrupted, None, None, "unshifted", None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert ended.value.code == launchers.INTERRUPTED
+    assert not receive.poll()  # no result, no failure: it trained nothing

@@ -430,6 +430,9 @@ def _parallel(
     results, failures = {}, []
     waiting = list(runs)
     active: dict[Connection, tuple[tuple[str, int], Any, float]] = {}
+    # Set before Ctrl-C is passed on: a child still importing ignores the signal, and reads
+    # this once it takes Ctrl-C up (set, then signalled; handler, then read: none is missed).
+    interrupted = context.Event()
     try:
         while waiting or active:
             while waiting and len(active) < jobs:
@@ -438,7 +441,7 @@ def _parallel(
                 receive, send = context.Pipe(duplex=False)
                 process = context.Process(
                     target=_child,
-                    args=(send, experiment, run.config, run.variant, run.path),
+                    args=(send, interrupted, experiment, run.config, run.variant, run.path),
                     name=f"dynamics {run.variant} seed {run.seed}",
                 )
                 # A child starts with Ctrl-C ignored (the disposition survives its exec), so an
@@ -472,6 +475,7 @@ def _parallel(
                 done = len(results) + len(failures)
                 _report(progress, done, len(runs), variant, seed, start, failures)
     except KeyboardInterrupt:
+        interrupted.set()
         _interrupt([process for _, process, _ in active.values()])
         raise
     finally:
@@ -493,10 +497,17 @@ def _interrupt(processes: list[Any]) -> None:
 
 
 def _child(
-    send: Connection, experiment: Experiment, config: ExperimentConfig, variant: str, path: Path
+    send: Connection,
+    interrupted: Any,
+    experiment: Experiment,
+    config: ExperimentConfig,
+    variant: str,
+    path: Path,
 ) -> None:
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # started ignoring it
+        if interrupted.is_set():  # Ctrl-C came while this child was starting
+            raise KeyboardInterrupt
         send.send(_train_quietly(experiment, config, variant, path))
         send.close()
     except KeyboardInterrupt:
