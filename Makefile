@@ -32,8 +32,9 @@ demo: $(BIN)/.installed
 reproduce: $(BIN)/.installed
 	$(BIN)/dynamics reproduce --out $(REPRODUCE_OUT) --overwrite
 
+# One worker per core: the tests are single-threaded (OMP_NUM_THREADS=1 above).
 test: $(BIN)/.installed
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto
 
 # import-linter reads the package from disk; the copy under build/ lays it out as installed.
 lint: $(BIN)/.installed
